@@ -1,0 +1,404 @@
+// fault.cpp: the fault path (cf. Linux mm/memory.c) and the pager's
+// bookkeeping around it.
+//
+// acquire(p):
+//   resident  -> hit (or readahead hit), refs++
+//   in_flight -> wait for the read already under way (time counted as I/O wait)
+//   on_disk   -> fault: make room, allocate a frame, submit the read as urgent,
+//                then wait like in_flight
+// A read failing puts the page back on disk with its error; the acquire that
+// waited for it throws PageReadError, a later acquire tries again.
+#include <algorithm>
+#include <exception>
+#include <utility>
+
+#include "mm/mlock.h"
+#include "mm/pager.h"
+
+namespace mlx_pager {
+
+void Pager::Accounting::sub(std::uint64_t n) {
+  charged -= n;
+  {
+    // Taking the lock orders this notify after a waiter's predicate check.
+    std::lock_guard<std::mutex> lock(mu);
+  }
+  cv.notify_all();
+}
+
+void Pager::Accounting::wait_for_free(
+    std::uint64_t seen,
+    std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait_for(lock, timeout, [&] { return charged.load() < seen; });
+}
+
+std::uint64_t Pager::elapsed_ns(std::chrono::steady_clock::time_point t0) {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - t0)
+          .count());
+}
+
+Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
+    : config_(config),
+      allocator_(std::move(allocator)),
+      acct_(std::make_shared<Accounting>()),
+      budget_(config.budget_bytes),
+      policy_(config.policy),
+      readahead_pages_(std::max(0, config.readahead_pages)),
+      io_(config.io_threads, config.io_chunk_bytes) {
+  if (!allocator_) {
+    throw std::invalid_argument("[Pager] needs a frame allocator");
+  }
+}
+
+Pager::~Pager() = default;
+
+FileId Pager::add_file(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FileId id = table_.add_file(path, config_.direct_io);
+  stat_.direct_files = stat_.buffered_files = 0;
+  for (FileId f = 0; f < table_.num_files(); ++f) {
+    if (table_.file(f).mode() == IoMode::buffered_drop) {
+      ++stat_.buffered_files;
+    } else {
+      ++stat_.direct_files;
+    }
+  }
+  return id;
+}
+
+PageId Pager::add_page(PageSpec spec) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PageId id = table_.add_page(std::move(spec));
+  // The schedule's per-page index must cover the new page.
+  schedule_ = Schedule(schedule_.order(), table_.size(), schedule_.repeats());
+  return id;
+}
+
+PageId Pager::lookup(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.lookup(name);
+}
+
+std::size_t Pager::num_pages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.size();
+}
+
+const PageSpec& Pager::spec(PageId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.at(id).spec;  // specs never change once registered
+}
+
+PageState Pager::state(PageId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.at(id).state;
+}
+
+IoMode Pager::file_mode(FileId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.file(id).mode();
+}
+
+void Pager::advance_cursor_locked(PageId id) {
+  if (schedule_.empty()) {
+    return;
+  }
+  // On schedule: step past this access. Off schedule: resynchronise at the
+  // page's next scheduled access (e.g. an evaluation pass reusing the pager).
+  std::size_t pos = schedule_.next_position(id, cursor_);
+  if (pos != Schedule::npos) {
+    cursor_ = schedule_.repeats() ? (pos + 1) % schedule_.size() : pos + 1;
+  }
+}
+
+Frame Pager::acquire(PageId id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  PageEntry& e = table_.at(id);  // throws std::out_of_range
+  ++stat_.acquires;
+  advance_cursor_locked(id);
+  bool counted = false;
+  for (;;) {
+    if (e.state == PageState::resident) {
+      if (!counted) {
+        ++(e.prefetched ? stat_.readahead_hits : stat_.hits);
+      }
+      e.prefetched = false;
+      ++e.refs;
+      e.last_access = ++tick_;
+      Frame f = e.frame;
+      lock.unlock();
+      readahead();
+      return f;
+    }
+    if (e.state == PageState::in_flight) {
+      if (!counted) {
+        counted = true;
+        ++(e.prefetched ? stat_.readahead_hits : stat_.faults);
+      }
+      e.prefetched = false;
+      std::uint64_t gen = e.read_gen;
+      auto t0 = std::chrono::steady_clock::now();
+      cv_.wait(lock, [&] { return e.state != PageState::in_flight; });
+      stat_.io_wait_ns += elapsed_ns(t0);
+      if (e.state == PageState::on_disk && e.failed_gen == gen) {
+        throw PageReadError(e.error);
+      }
+      continue;
+    }
+    // on_disk: a major fault. The read is accounted when we see it in flight.
+    start_read_locked(lock, id, /*urgent=*/true);
+    if (e.state == PageState::in_flight && !counted) {
+      counted = true;
+      ++stat_.faults;
+    }
+  }
+}
+
+void Pager::release(PageId id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PageEntry& e = table_.at(id);
+    if (e.refs <= 0) {
+      throw std::logic_error(
+          "[Pager::release] page '" + e.spec.name + "' is not acquired");
+    }
+    --e.refs;
+  }
+  cv_.notify_all();
+  readahead();
+}
+
+void Pager::pin(PageId id) {
+  Frame f = acquire(id);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PageEntry& e = table_.at(id);
+    if (!e.pinned) {
+      e.pinned = true;
+      e.mlocked = lock_memory(f.data, f.size);
+    }
+    --e.refs;
+  }
+}
+
+void Pager::unpin(PageId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PageEntry& e = table_.at(id);
+  if (e.pinned && e.mlocked && e.frame.data) {
+    unlock_memory(e.frame.data, e.frame.size);
+  }
+  e.pinned = false;
+  e.mlocked = false;
+}
+
+void Pager::evict_all() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (PageId id = 0; id < table_.size(); ++id) {
+    const PageEntry& e = table_.at(id);
+    if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
+      evict_locked(id);
+    }
+  }
+  bury(lock);
+}
+
+void Pager::start_read_locked(
+    std::unique_lock<std::mutex>& lock,
+    PageId id,
+    bool urgent) {
+  PageEntry& e = table_.at(id);
+  std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
+  if (urgent) {
+    make_room_locked(lock, need, id);
+  }
+  // make_room may have waited with the lock released: another thread may have
+  // started this very read meanwhile.
+  if (e.state != PageState::on_disk) {
+    return;
+  }
+  acct_->add(need);
+  held_bytes_ += need;
+  e.charged = need;
+  e.state = PageState::in_flight;
+  e.prefetched = !urgent;
+  std::uint64_t gen = ++e.read_gen;
+  note_peak_locked();
+
+  // Allocate without the lock: the allocator may be slow or call into MLX.
+  lock.unlock();
+  Frame frame;
+  std::exception_ptr alloc_error;
+  try {
+    auto acct = acct_;
+    frame = allocator_->allocate(
+        e.spec.frame_bytes, [acct, need] { acct->sub(need); });
+  } catch (...) {
+    alloc_error = std::current_exception();
+  }
+  lock.lock();
+  if (alloc_error) {
+    acct_->sub(need);
+    held_bytes_ -= need;
+    e.charged = 0;
+    e.state = PageState::on_disk;
+    e.prefetched = false;
+    cv_.notify_all();
+    std::rethrow_exception(alloc_error);
+  }
+  e.frame = frame;
+  std::vector<ReadOp> ops;
+  ops.reserve(e.spec.extents.size());
+  for (const Extent& x : e.spec.extents) {
+    ops.push_back(ReadOp{
+        &table_.file(x.file), x.file_offset, static_cast<std::size_t>(x.length),
+        static_cast<std::size_t>(x.required), frame.data + x.frame_offset});
+  }
+  if (!urgent) {
+    ++stat_.readahead_reads;
+  }
+  // The completion may run before submit() returns; it takes the lock, so
+  // the submit happens with the lock released.
+  lock.unlock();
+  auto batch = io_.submit(
+      std::move(ops),
+      [this, id, gen](IoBatch& b) { complete_read(id, gen, b); },
+      urgent);
+  lock.lock();
+  if (e.read_gen == gen && e.state == PageState::in_flight) {
+    e.io = batch;
+  }
+}
+
+void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
+  std::unique_lock<std::mutex> lock(mu_);
+  PageEntry& e = table_.at(id);
+  if (e.read_gen != gen || e.state != PageState::in_flight) {
+    return;
+  }
+  e.io.reset();
+  if (std::exception_ptr err = batch.error()) {
+    std::string what;
+    try {
+      std::rethrow_exception(err);
+    } catch (const std::exception& ex) {
+      what = ex.what();
+    } catch (...) {
+      what = "unknown error";
+    }
+    std::string files;
+    for (const Extent& x : e.spec.extents) {
+      const std::string& p = table_.file(x.file).path();
+      if (files.find(p) == std::string::npos) {
+        files += (files.empty() ? "" : ", ") + p;
+      }
+    }
+    e.error = "[mlx_pager] cannot read page '" + e.spec.name + "' from " +
+        files + ": " + what;
+    e.failed_gen = gen;
+    ++stat_.read_errors;
+    graveyard_.push_back(std::move(e.frame.owner));
+    e.frame = Frame{};
+    held_bytes_ -= e.charged;
+    e.charged = 0;
+    e.state = PageState::on_disk;
+    e.prefetched = false;
+  } else {
+    e.state = PageState::resident;
+    e.last_access = ++tick_;
+    ++stat_.pages_read;
+    stat_.bytes_read += batch.bytes_read();
+  }
+  cv_.notify_all();
+  bury(lock);
+}
+
+void Pager::set_schedule(std::vector<PageId> order, bool repeat) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    schedule_ = Schedule(std::move(order), table_.size(), repeat);
+    cursor_ = 0;
+  }
+  readahead();
+}
+
+std::uint64_t Pager::set_budget(std::uint64_t bytes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::uint64_t old = budget_;
+  budget_ = bytes;
+  // Shrink: evict what nobody holds until the new budget holds (best effort;
+  // pages in use and pinned pages stay and are evicted as they are released).
+  while (charged_now() > budget_) {
+    auto cands = evictable_locked();
+    if (cands.empty()) {
+      break;
+    }
+    evict_locked(cands[choose_victim(policy_, cands)].id);
+    bury(lock);
+  }
+  return old;
+}
+
+int Pager::set_readahead(int pages) {
+  int old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = readahead_pages_;
+    readahead_pages_ = std::max(0, pages);
+  }
+  readahead();
+  return old;
+}
+
+Policy Pager::set_policy(Policy policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(policy_, policy);
+}
+
+std::uint64_t Pager::budget() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return budget_;
+}
+
+std::uint64_t Pager::pinned_bytes_locked() const {
+  std::uint64_t n = 0;
+  for (PageId id = 0; id < table_.size(); ++id) {
+    if (table_.at(id).pinned) {
+      n += table_.at(id).charged;
+    }
+  }
+  return n;
+}
+
+void Pager::note_peak_locked() {
+  stat_.peak_resident_bytes =
+      std::max(stat_.peak_resident_bytes, charged_now());
+}
+
+VmStat Pager::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  VmStat s = stat_;
+  s.resident_bytes_now = charged_now();
+  s.peak_resident_bytes = std::max(s.peak_resident_bytes, s.resident_bytes_now);
+  for (PageId id = 0; id < table_.size(); ++id) {
+    const PageEntry& e = table_.at(id);
+    s.resident_pages_now += e.state == PageState::resident;
+    s.in_flight_pages_now += e.state == PageState::in_flight;
+    if (e.pinned) {
+      s.pinned_bytes_now += e.charged;
+      if (e.mlocked) {
+        s.mlocked_bytes_now += e.charged;
+      }
+    }
+  }
+  return s;
+}
+
+void Pager::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stat_.peak_resident_bytes = charged_now();
+}
+
+}  // namespace mlx_pager

@@ -1,0 +1,110 @@
+// layout.cpp: page layout planning (in-place runs and swap-file packing).
+#include "mm/layout.h"
+
+#include <algorithm>
+#include <numeric>
+#include <tuple>
+#include <stdexcept>
+
+#include "mm/direct_io.h"
+
+namespace mlx_pager {
+
+PagePlan plan_in_place(
+    const std::vector<TensorSource>& tensors,
+    const std::vector<std::uint64_t>& file_sizes,
+    std::uint64_t max_gap) {
+  PagePlan plan;
+  plan.tensors.resize(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSource& t = tensors[i];
+    if (t.itemsize == 0 || t.offset % t.itemsize != 0) {
+      plan.ok = false;
+      plan.why_not = "tensor '" + t.name + "' starts at byte " +
+          std::to_string(t.offset) + ", not a multiple of its item size " +
+          std::to_string(t.itemsize);
+      return plan;
+    }
+    if (t.file >= file_sizes.size() || t.offset + t.nbytes > file_sizes[t.file]) {
+      plan.ok = false;
+      plan.why_not = "tensor '" + t.name + "' lies past the end of its file";
+      return plan;
+    }
+  }
+  // Visit tensors in file order and cut them into runs.
+  std::vector<std::size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::tie(tensors[a].file, tensors[a].offset) <
+        std::tie(tensors[b].file, tensors[b].offset);
+  });
+  std::uint64_t frame_cursor = 0;  // next free (aligned) frame position
+  std::size_t i = 0;
+  while (i < order.size()) {
+    const TensorSource& first = tensors[order[i]];
+    std::uint64_t run_begin = first.offset;
+    std::uint64_t run_end = first.offset + first.nbytes;
+    std::size_t j = i + 1;
+    while (j < order.size()) {
+      const TensorSource& t = tensors[order[j]];
+      if (t.file != first.file || t.offset > run_end + max_gap) {
+        break;
+      }
+      run_end = std::max(run_end, t.offset + t.nbytes);
+      ++j;
+    }
+    std::uint64_t win_begin = align_down(run_begin, kIoAlign);
+    std::uint64_t win_end = align_up(run_end, kIoAlign);
+    Extent x;
+    x.file = first.file;
+    x.file_offset = win_begin;
+    x.length = win_end - win_begin;
+    x.required = std::min(win_end, file_sizes[first.file]) - win_begin;
+    x.frame_offset = frame_cursor;
+    plan.extents.push_back(x);
+    for (std::size_t k = i; k < j; ++k) {
+      const TensorSource& t = tensors[order[k]];
+      plan.tensors[order[k]] =
+          PlacedTensor{t.name, frame_cursor + (t.offset - win_begin), t.nbytes};
+    }
+    frame_cursor += x.length;
+    i = j;
+  }
+  plan.frame_bytes = std::max<std::uint64_t>(frame_cursor, kIoAlign);
+  return plan;
+}
+
+SwapPageLayout plan_swap_page(const std::vector<std::uint64_t>& nbytes) {
+  SwapPageLayout l;
+  std::uint64_t cur = 0;
+  for (std::uint64_t n : nbytes) {
+    cur = align_up(cur, kTensorAlign);
+    l.offsets.push_back(cur);
+    cur += n;
+  }
+  l.bytes = std::max<std::uint64_t>(align_up(cur, kIoAlign), kIoAlign);
+  return l;
+}
+
+PagePlan plan_from_swap(
+    FileId swap_file,
+    std::uint64_t page_offset,
+    const std::vector<std::string>& names,
+    const std::vector<std::uint64_t>& nbytes) {
+  if (names.size() != nbytes.size()) {
+    throw std::invalid_argument("[plan_from_swap] names and sizes differ in length");
+  }
+  if (page_offset % kIoAlign != 0) {
+    throw std::invalid_argument("[plan_from_swap] page offset is not aligned");
+  }
+  SwapPageLayout l = plan_swap_page(nbytes);
+  PagePlan plan;
+  plan.frame_bytes = l.bytes;
+  plan.extents.push_back(Extent{swap_file, page_offset, l.bytes, l.bytes, 0});
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    plan.tensors.push_back(PlacedTensor{names[i], l.offsets[i], nbytes[i]});
+  }
+  return plan;
+}
+
+}  // namespace mlx_pager

@@ -1,0 +1,72 @@
+// layout.h: planning where a page's tensors sit in its frame, and which
+// reads bring them there.
+//
+// Two kinds of page source (the swap store):
+//  - in place: tensors are read straight from the model's safetensors files.
+//    Tensors of one page that lie close together in a file are coalesced into
+//    one run and read with one large aligned read; gaps up to `max_gap` bytes
+//    (bytes of other pages) are read through rather than split into another
+//    request. Direct I/O needs file offset == frame offset modulo kIoAlign, so
+//    a tensor's place in the frame follows from its place in the file; a
+//    tensor whose file offset is not a multiple of its item size could not
+//    be viewed in place and makes the plan fail (use the swap file).
+//  - swap file: the pager wrote the page itself, contiguously, each tensor at
+//    a kTensorAlign boundary, the page padded to kIoAlign: one read per page.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mm/page_table.h"
+
+namespace mlx_pager {
+
+// Alignment of tensors inside swap-file pages (covers every MLX dtype and
+// the 16-byte loads of vectorised kernels).
+inline constexpr std::uint64_t kTensorAlign = 256;
+
+struct TensorSource {
+  std::string name;
+  FileId file = 0;
+  std::uint64_t offset = 0;  // absolute byte offset in the file
+  std::uint64_t nbytes = 0;
+  std::uint32_t itemsize = 1;
+};
+
+struct PlacedTensor {
+  std::string name;
+  std::uint64_t frame_offset = 0;
+  std::uint64_t nbytes = 0;
+};
+
+struct PagePlan {
+  bool ok = true;
+  std::string why_not;  // when !ok: which tensor could not be placed, and why
+  std::uint64_t frame_bytes = 0;
+  std::vector<Extent> extents;
+  std::vector<PlacedTensor> tensors;  // in the order given
+};
+
+// Plans reading `tensors` in place from their files. `file_sizes[f]` bounds
+// how many bytes of file f exist (reads past them are padding only).
+PagePlan plan_in_place(
+    const std::vector<TensorSource>& tensors,
+    const std::vector<std::uint64_t>& file_sizes,
+    std::uint64_t max_gap = 1u << 20);
+
+// Offsets of tensors packed in a swap-file page, and the page's size on disk.
+struct SwapPageLayout {
+  std::vector<std::uint64_t> offsets;  // relative to the page start
+  std::uint64_t bytes = 0;             // multiple of kIoAlign
+};
+SwapPageLayout plan_swap_page(const std::vector<std::uint64_t>& nbytes);
+
+// The plan of a page stored in a swap file at `page_offset` (kIoAlign aligned).
+PagePlan plan_from_swap(
+    FileId swap_file,
+    std::uint64_t page_offset,
+    const std::vector<std::string>& names,
+    const std::vector<std::uint64_t>& nbytes);
+
+}  // namespace mlx_pager

@@ -1,0 +1,189 @@
+// page_io.cpp: chunked parallel reads on a fixed set of I/O threads.
+#include "mm/page_io.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <stdexcept>
+#include <system_error>
+
+namespace mlx_pager {
+
+void IoBatch::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_; });
+}
+
+bool IoBatch::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+std::exception_ptr IoBatch::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+PageIO::PageIO(int threads, std::size_t chunk_bytes)
+    : chunk_bytes_(align_up(std::max<std::size_t>(chunk_bytes, 1), kIoAlign)) {
+  if (threads < 1) {
+    throw std::invalid_argument("[PageIO] needs at least one I/O thread");
+  }
+  workers_.reserve(threads);
+  for (int i = 0; i < threads; ++i) {
+    workers_.emplace_back([this] { worker(); });
+  }
+}
+
+PageIO::~PageIO() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_cv_.wait(lock, [&] {
+      return urgent_.empty() && background_.empty() && running_ == 0;
+    });
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) {
+    t.join();
+  }
+}
+
+void PageIO::set_fault_injector(FaultInjector f) {
+  std::lock_guard<std::mutex> lock(mu_);
+  injector_ = std::move(f);
+}
+
+std::shared_ptr<IoBatch> PageIO::submit(
+    std::vector<ReadOp> ops,
+    std::function<void(IoBatch&)> on_complete,
+    bool urgent) {
+  auto batch = std::make_shared<IoBatch>();
+  batch->on_complete_ = std::move(on_complete);
+  std::vector<Chunk> chunks;
+  for (const ReadOp& op : ops) {
+    for (std::size_t off = 0; off < op.length; off += chunk_bytes_) {
+      ReadOp piece = op;
+      piece.offset = op.offset + off;
+      piece.dst = op.dst + off;
+      piece.length = std::min(chunk_bytes_, op.length - off);
+      piece.required = op.required > off
+          ? std::min(piece.length, op.required - off)
+          : 0;
+      chunks.push_back(Chunk{batch, piece});
+    }
+  }
+  if (chunks.empty()) {
+    // Nothing to read: complete at once, on the caller's thread.
+    if (batch->on_complete_) {
+      batch->on_complete_(*batch);
+    }
+    std::lock_guard<std::mutex> lock(batch->mu_);
+    batch->done_ = true;
+    return batch;
+  }
+  batch->pending_ = chunks.size();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& q = urgent ? urgent_ : background_;
+    for (auto& c : chunks) {
+      q.push_back(std::move(c));
+    }
+  }
+  cv_.notify_all();
+  return batch;
+}
+
+std::uint64_t PageIO::read_now(const ReadOp& op) {
+  std::size_t got = op.file->pread_full(op.dst, op.length, op.offset);
+  if (got < op.required) {
+    throw std::system_error(
+        EIO, std::generic_category(),
+        "short read of " + op.file->path() + " at offset " +
+            std::to_string(op.offset) + ": needed " +
+            std::to_string(op.required) + " bytes, the file has " +
+            std::to_string(got));
+  }
+  return got;
+}
+
+void PageIO::worker() {
+  for (;;) {
+    Chunk c;
+    FaultInjector injector;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] {
+        return stop_ || !urgent_.empty() || !background_.empty();
+      });
+      if (stop_ && urgent_.empty() && background_.empty()) {
+        return;
+      }
+      auto& q = urgent_.empty() ? background_ : urgent_;
+      c = std::move(q.front());
+      q.pop_front();
+      ++running_;
+      injector = injector_;
+    }
+    if (injector) {
+      std::size_t len = c.op.length;
+      int err = 0;
+      injector(c.op.file->path(), c.op.offset, len, err);
+      if (err != 0) {
+        std::lock_guard<std::mutex> lock(c.batch->mu_);
+        if (!c.batch->error_) {
+          c.batch->error_ = std::make_exception_ptr(std::system_error(
+              err, std::generic_category(),
+              "pread(" + c.op.file->path() + ", offset " +
+                  std::to_string(c.op.offset) + ") [injected]"));
+        }
+      } else {
+        c.op.length = len;  // an injected short read
+        run_chunk(c);
+      }
+    } else {
+      run_chunk(c);
+    }
+    finish_chunk(c.batch);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --running_;
+      if (running_ == 0 && urgent_.empty() && background_.empty()) {
+        idle_cv_.notify_all();
+      }
+    }
+  }
+}
+
+void PageIO::run_chunk(Chunk& c) {
+  {
+    // Skip the work of a batch that has already failed.
+    std::lock_guard<std::mutex> lock(c.batch->mu_);
+    if (c.batch->error_) {
+      return;
+    }
+  }
+  try {
+    c.batch->bytes_ += read_now(c.op);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(c.batch->mu_);
+    if (!c.batch->error_) {
+      c.batch->error_ = std::current_exception();
+    }
+  }
+}
+
+void PageIO::finish_chunk(const std::shared_ptr<IoBatch>& batch) {
+  if (batch->pending_.fetch_sub(1) != 1) {
+    return;
+  }
+  if (batch->on_complete_) {
+    batch->on_complete_(*batch);
+  }
+  {
+    std::lock_guard<std::mutex> lock(batch->mu_);
+    batch->done_ = true;
+  }
+  batch->cv_.notify_all();
+}
+
+}  // namespace mlx_pager

@@ -1,0 +1,114 @@
+// page_io.h: the actual I/O (cf. Linux mm/page_io.c).
+//
+// One submit() and a completion: a batch of reads is split into chunks that
+// a fixed set of I/O threads execute with pread on DirectFiles, in parallel,
+// so that one large page read keeps several requests in flight on the SSD.
+// When the last chunk of a batch finishes, the batch's completion callback
+// runs (on that I/O thread) and waiters wake.
+//
+// Demand reads (a fault someone is blocked on) go ahead of readahead.
+//
+//   submit(ops) --> [urgent queue][background queue] --> N I/O threads
+//                                                          | pread chunk
+//   wait() <-- done + error <-- on_complete(batch) <-------+ last chunk
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mm/direct_io.h"
+
+namespace mlx_pager {
+
+// One contiguous read. `length` bytes are requested (aligned when the file is
+// in direct mode); the first `required` of them must exist in the file, the
+// rest is alignment padding that may lie past the end of the file.
+struct ReadOp {
+  const DirectFile* file = nullptr;
+  std::uint64_t offset = 0;
+  std::size_t length = 0;
+  std::size_t required = 0;
+  char* dst = nullptr;
+};
+
+// Test hook called before every chunk read: it may sleep (to widen races),
+// set `err` to an errno to fail the chunk, or lower `len` to cut it short.
+using FaultInjector = std::function<
+    void(const std::string& path, std::uint64_t offset, std::size_t& len, int& err)>;
+
+class IoBatch {
+ public:
+  // Blocks until every chunk has finished and the completion callback ran.
+  void wait();
+  bool done() const;
+  // The first error of the batch (nullptr when all reads succeeded).
+  std::exception_ptr error() const;
+  std::uint64_t bytes_read() const { return bytes_.load(); }
+
+ private:
+  friend class PageIO;
+  std::function<void(IoBatch&)> on_complete_;
+  std::atomic<std::size_t> pending_{0};
+  std::atomic<std::uint64_t> bytes_{0};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class PageIO {
+ public:
+  // `threads` I/O threads; reads are split into `chunk_bytes` pieces
+  // (rounded up to kIoAlign).
+  PageIO(int threads, std::size_t chunk_bytes);
+  // Waits for every submitted batch to finish, then joins the threads.
+  ~PageIO();
+  PageIO(const PageIO&) = delete;
+  PageIO& operator=(const PageIO&) = delete;
+
+  // Queues `ops`; `on_complete` (may be empty) runs once when all are done,
+  // with the batch's error (if any) already recorded. `urgent` batches go
+  // ahead of non-urgent ones. Never blocks on I/O.
+  std::shared_ptr<IoBatch> submit(
+      std::vector<ReadOp> ops,
+      std::function<void(IoBatch&)> on_complete = {},
+      bool urgent = true);
+
+  // Reads synchronously on the calling thread (no queueing); throws on error.
+  static std::uint64_t read_now(const ReadOp& op);
+
+  void set_fault_injector(FaultInjector f);
+  int threads() const { return static_cast<int>(workers_.size()); }
+  std::size_t chunk_bytes() const { return chunk_bytes_; }
+
+ private:
+  struct Chunk {
+    std::shared_ptr<IoBatch> batch;
+    ReadOp op;  // the piece of the original op this chunk covers
+  };
+  void worker();
+  void run_chunk(Chunk& c);
+  void finish_chunk(const std::shared_ptr<IoBatch>& batch);
+
+  std::size_t chunk_bytes_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable idle_cv_;
+  std::deque<Chunk> urgent_;
+  std::deque<Chunk> background_;
+  std::size_t running_ = 0;
+  bool stop_ = false;
+  FaultInjector injector_;
+};
+
+}  // namespace mlx_pager

@@ -1,0 +1,164 @@
+// pager.h: the pager, the contract every other part serves.
+//
+// The pager keeps named pages (page_table.h) either on disk or resident in
+// frames (frame.h) under a byte budget that is never exceeded, the way an OS
+// keeps process pages in RAM or swap:
+//
+//   acquire(p)  the fault path (fault.cpp). Resident: returns at once (a hit).
+//               In flight (readahead started it): waits for the rest of the
+//               read. On disk: makes room (reclaim.cpp), reads, waits.
+//   release(p)  the page may be evicted again once nobody holds it.
+//   schedule    the known access order of a step (schedule.h); it drives the
+//               optimal policy and readahead (readahead.cpp), which reads the
+//               next pages on I/O threads (page_io.h) while the caller
+//               computes, evicting only pages needed later than the one read.
+//   pin(p)      resident for good and mlock'ed (mlock.h); never evicted.
+//
+// Budget accounting counts what is really allocated: a frame is charged from
+// the moment its read is planned until its memory is freed, which can be
+// after eviction when someone still holds an array viewing it.
+//
+// All public methods are thread-safe. acquire() blocks; it may be called
+// from several threads at once, also for the same page.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mm/frame.h"
+#include "mm/page_io.h"
+#include "mm/page_table.h"
+#include "mm/reclaim.h"
+#include "mm/schedule.h"
+#include "mm/vmstat.h"
+
+namespace mlx_pager {
+
+// The budget cannot hold what was asked of it.
+class BudgetError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A page's bytes could not be read; the message names the page and file.
+class PageReadError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct PagerConfig {
+  std::uint64_t budget_bytes = 0;  // resident + in-flight frames, at most
+  Policy policy = Policy::optimal;
+  int readahead_pages = 2;  // pages read ahead of the schedule; 0 = off
+  int io_threads = 4;
+  std::size_t io_chunk_bytes = 8u << 20;
+  bool direct_io = true;  // false: buffered reads + cache drop (tests)
+};
+
+class Pager {
+ public:
+  Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator);
+  // Waits for reads in flight; frames still referenced elsewhere stay valid.
+  ~Pager();
+  Pager(const Pager&) = delete;
+  Pager& operator=(const Pager&) = delete;
+
+  // ---- registry (before or between steps) ----
+  FileId add_file(const std::string& path);
+  PageId add_page(PageSpec spec);
+  PageId lookup(const std::string& name) const;
+  std::size_t num_pages() const;
+  const PageSpec& spec(PageId id) const;
+  PageState state(PageId id) const;
+  IoMode file_mode(FileId id) const;
+
+  // ---- the fault path ----
+  // Returns the page's frame, reading it first if needed. Throws
+  // PageReadError (naming page and file) if the read fails, BudgetError if
+  // the page cannot fit.
+  Frame acquire(PageId id);
+  // Ends one acquire(); the page becomes evictable when no acquire is left.
+  void release(PageId id);
+  // Reads the page if needed and keeps it resident until unpin(); locks it
+  // in RAM where the OS allows.
+  void pin(PageId id);
+  void unpin(PageId id);
+  // Drops every resident page nobody holds (pinned pages stay).
+  void evict_all();
+
+  // ---- planning ----
+  // The access order of one step, repeated (or, `repeat` = false, run once).
+  // Resets the position to its start.
+  void set_schedule(std::vector<PageId> order, bool repeat = true);
+  // Setters return the previous value (MLX style). Lowering the budget
+  // evicts down to it where possible.
+  std::uint64_t set_budget(std::uint64_t bytes);
+  int set_readahead(int pages);
+  Policy set_policy(Policy policy);
+  std::uint64_t budget() const;
+
+  // ---- counters ----
+  VmStat stats() const;
+  void reset_peak();
+  // Test hook: see page_io.h.
+  void set_fault_injector(FaultInjector f) { io_.set_fault_injector(std::move(f)); }
+
+ private:
+  // Shared with frames' on_free callbacks, which may outlive the pager.
+  struct Accounting {
+    std::atomic<std::uint64_t> charged{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    void add(std::uint64_t n) { charged += n; }
+    void sub(std::uint64_t n);
+    void wait_for_free(std::uint64_t seen, std::chrono::milliseconds timeout);
+  };
+
+  // fault.cpp
+  void start_read_locked(
+      std::unique_lock<std::mutex>& lock, PageId id, bool urgent);
+  void complete_read(PageId id, std::uint64_t gen, IoBatch& batch);
+  void advance_cursor_locked(PageId id);
+  // reclaim.cpp
+  std::vector<Candidate> evictable_locked() const;
+  void evict_locked(PageId id);
+  void bury(std::unique_lock<std::mutex>& lock);
+  void make_room_locked(
+      std::unique_lock<std::mutex>& lock, std::uint64_t need, PageId for_page);
+  std::uint64_t charged_now() const;
+  // readahead.cpp
+  void readahead();
+  bool readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id);
+
+  std::uint64_t pinned_bytes_locked() const;
+  void note_peak_locked();
+  static std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0);
+
+  PagerConfig config_;
+  std::shared_ptr<FrameAllocator> allocator_;
+  std::shared_ptr<Accounting> acct_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // page state changes
+  PageTable table_;
+  Schedule schedule_;
+  std::size_t cursor_ = 0;  // position of the next access in schedule_
+  std::uint64_t budget_;
+  Policy policy_;
+  int readahead_pages_;
+  std::uint64_t tick_ = 0;
+  std::uint64_t held_bytes_ = 0;  // charged to pages in the table
+  std::vector<std::shared_ptr<void>> graveyard_;  // frames to drop unlocked
+  std::chrono::milliseconds zombie_timeout_{2000};
+  VmStat stat_;
+
+  // Last member: destroyed first, so no I/O completion runs on a dead pager.
+  PageIO io_;
+};
+
+}  // namespace mlx_pager

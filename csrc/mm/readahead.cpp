@@ -1,0 +1,97 @@
+// readahead.cpp: reading the schedule's next pages before they are asked for
+// (cf. Linux mm/readahead.c and swap_state.c's swap-in readahead).
+//
+// After every acquire and release, the pager looks at the next
+// `readahead_pages` distinct pages of the schedule. For each one on disk,
+// in order of need, it starts a background read if the budget has room, or
+// if it can evict a page that is needed LATER than the one it reads (the
+// Belady-safe rule: readahead never throws out a page that will be wanted
+// first). The victim is the one MIN would pick among all pages in memory; when
+// that is a page still in use, readahead waits for its release instead of
+// evicting another, so readahead adds no reads over the optimal count on the
+// step's schedule. It stops at the first page it cannot start: later pages
+// are needed later still.
+#include <algorithm>
+
+#include "mm/pager.h"
+
+namespace mlx_pager {
+
+void Pager::readahead() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (readahead_pages_ <= 0 || schedule_.empty()) {
+    return;
+  }
+  int seen = 0;
+  std::vector<bool> visited(table_.size(), false);
+  for (std::size_t k = 0; k < schedule_.horizon(cursor_) && seen < readahead_pages_; ++k) {
+    PageId id = schedule_.at(cursor_ + k);
+    if (visited[id]) {
+      continue;
+    }
+    visited[id] = true;
+    ++seen;
+    const PageEntry& e = table_.at(id);
+    if (e.state != PageState::on_disk) {
+      continue;
+    }
+    if (!readahead_one_locked(lock, id)) {
+      break;
+    }
+  }
+}
+
+bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) {
+  PageEntry& e = table_.at(id);
+  std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
+  if (need > budget_) {
+    return false;
+  }
+  std::uint64_t when = schedule_.next_use(id, cursor_);
+  for (;;) {
+    if (e.state != PageState::on_disk) {
+      return true;  // someone else started it while the lock was dropped
+    }
+    std::uint64_t charged = charged_now();
+    if (charged + need <= budget_) {
+      start_read_locked(lock, id, /*urgent=*/false);
+      return true;
+    }
+    if (charged > held_bytes_) {
+      return false;  // evicted memory not yet freed: do not wait here
+    }
+    // Evict only what MIN would evict when this page is accessed. MIN
+    // decides then, among every page in memory (including pages in use or in
+    // flight), by next use AFTER that access. If its choice cannot be evicted
+    // now (in use, in flight, or still needed before this page), wait:
+    // readahead runs again on every acquire and release.
+    auto cands = evictable_locked();
+    std::size_t evictable = cands.size();
+    if (policy_ == Policy::optimal) {
+      for (PageId other = 0; other < table_.size(); ++other) {
+        const PageEntry& o = table_.at(other);
+        bool busy = o.state == PageState::in_flight ||
+            (o.state == PageState::resident && o.refs > 0);
+        if (busy && !o.pinned && other != id) {
+          cands.push_back(Candidate{other, o.spec.priority, o.last_access, 0});
+        }
+      }
+      std::size_t after = cursor_ + static_cast<std::size_t>(when) + 1;
+      for (Candidate& c : cands) {
+        c.next_use = schedule_.next_use(c.id, after);
+      }
+    }
+    if (cands.empty()) {
+      return false;
+    }
+    std::size_t pick = choose_victim(policy_, cands);
+    const Candidate& v = cands[pick];
+    if (pick >= evictable || schedule_.next_use(v.id, cursor_) <= when) {
+      return false;  // not evictable yet, or needed no later than this page
+    }
+    evict_locked(v.id);
+    bury(lock);
+  }
+}
+
+}  // namespace mlx_pager

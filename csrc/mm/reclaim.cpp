@@ -1,0 +1,167 @@
+// reclaim.cpp: victim selection, and the pager's make-room/evict paths.
+#include "mm/reclaim.h"
+
+#include <chrono>
+#include <stdexcept>
+
+#include "mm/pager.h"
+
+namespace mlx_pager {
+
+const char* to_string(Policy p) {
+  switch (p) {
+    case Policy::lru:
+      return "lru";
+    case Policy::optimal:
+      return "optimal";
+  }
+  return "?";
+}
+
+Policy policy_from_string(const std::string& s) {
+  if (s == "lru") {
+    return Policy::lru;
+  }
+  if (s == "optimal" || s == "belady" || s == "min") {
+    return Policy::optimal;
+  }
+  throw std::invalid_argument(
+      "unknown eviction policy '" + s + "': use 'lru' or 'optimal'");
+}
+
+// True when `a` should be evicted before `b`.
+static bool evict_before(Policy policy, const Candidate& a, const Candidate& b) {
+  if (a.priority != b.priority) {
+    return a.priority < b.priority;
+  }
+  if (policy == Policy::optimal && a.next_use != b.next_use) {
+    return a.next_use > b.next_use;
+  }
+  return a.last_access < b.last_access;
+}
+
+std::size_t choose_victim(Policy policy, const std::vector<Candidate>& c) {
+  if (c.empty()) {
+    throw std::logic_error("[choose_victim] no candidates");
+  }
+  std::size_t best = 0;
+  for (std::size_t i = 1; i < c.size(); ++i) {
+    if (evict_before(policy, c[i], c[best])) {
+      best = i;
+    }
+  }
+  return best;
+}
+
+// ---------------------------------------------------------------- Pager ----
+
+std::vector<Candidate> Pager::evictable_locked() const {
+  std::vector<Candidate> out;
+  for (PageId id = 0; id < table_.size(); ++id) {
+    const PageEntry& e = table_.at(id);
+    if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
+      out.push_back(Candidate{
+          id, e.spec.priority, e.last_access, schedule_.next_use(id, cursor_)});
+    }
+  }
+  return out;
+}
+
+void Pager::evict_locked(PageId id) {
+  PageEntry& e = table_.at(id);
+  graveyard_.push_back(std::move(e.frame.owner));
+  e.frame = Frame{};
+  held_bytes_ -= e.charged;
+  e.charged = 0;
+  e.state = PageState::on_disk;
+  e.prefetched = false;
+  ++stat_.evictions;
+}
+
+void Pager::bury(std::unique_lock<std::mutex>& lock) {
+  if (graveyard_.empty()) {
+    return;
+  }
+  // Frames are dropped without the lock: freeing one runs the allocator's
+  // on_free, which takes the accounting lock and may run MLX code.
+  std::vector<std::shared_ptr<void>> dead;
+  dead.swap(graveyard_);
+  lock.unlock();
+  dead.clear();
+  lock.lock();
+}
+
+std::uint64_t Pager::charged_now() const {
+  return acct_->charged.load();
+}
+
+void Pager::make_room_locked(
+    std::unique_lock<std::mutex>& lock,
+    std::uint64_t need,
+    PageId for_page) {
+  if (need > budget_) {
+    throw BudgetError(
+        "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
+        std::to_string(need) + " bytes but the page budget is " +
+        std::to_string(budget_) + " bytes: raise the budget to at least " +
+        std::to_string(need + pinned_bytes_locked()) + " bytes");
+  }
+  auto zombie_deadline = std::chrono::steady_clock::time_point::max();
+  for (;;) {
+    std::uint64_t charged = charged_now();
+    if (charged + need <= budget_) {
+      return;
+    }
+    auto cands = evictable_locked();
+    if (!cands.empty()) {
+      evict_locked(cands[choose_victim(policy_, cands)].id);
+      bury(lock);
+      continue;
+    }
+    bool any_in_flight = false;
+    for (PageId id = 0; id < table_.size(); ++id) {
+      if (id != for_page && table_.at(id).state == PageState::in_flight) {
+        any_in_flight = true;
+      }
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    if (any_in_flight) {
+      // Reads in flight become evictable pages when they land.
+      cv_.wait_for(lock, std::chrono::milliseconds(50));
+      stat_.reclaim_wait_ns += elapsed_ns(t0);
+      continue;
+    }
+    if (charged > held_bytes_) {
+      // Memory of evicted pages that someone still references (an array not
+      // yet freed by MLX). It is freed when the last reference goes; wait a
+      // little for that, then give up with a clear message.
+      if (zombie_deadline == std::chrono::steady_clock::time_point::max()) {
+        zombie_deadline = t0 + zombie_timeout_;
+      }
+      if (t0 < zombie_deadline) {
+        lock.unlock();
+        acct_->wait_for_free(charged, std::chrono::milliseconds(10));
+        lock.lock();
+        stat_.reclaim_wait_ns += elapsed_ns(t0);
+        continue;
+      }
+      throw BudgetError(
+          "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
+          std::to_string(need) + " bytes; the budget is " +
+          std::to_string(budget_) + " and " +
+          std::to_string(charged - held_bytes_) +
+          " bytes of evicted pages are still referenced outside the pager: "
+          "drop the arrays acquire() returned once release() is called");
+    }
+    throw BudgetError(
+        "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
+        std::to_string(need) + " bytes but only " +
+        std::to_string(budget_ - std::min(budget_, charged)) +
+        " of the budget's " + std::to_string(budget_) +
+        " bytes are free and every resident page is acquired or pinned "
+        "(pinned " + std::to_string(pinned_bytes_locked()) +
+        " bytes): release pages first or raise the budget");
+  }
+}
+
+}  // namespace mlx_pager

@@ -1,0 +1,55 @@
+// swapfile.h: writing the pager's own swap file (cf. Linux mm/swapfile.c).
+//
+// When a page cannot be read in place from the model's files (its tensors are
+// computed at load time, misaligned, or spread thin), the pager writes it once
+// into a swap file under the user's ssd_cache_dir, laid out for one large
+// aligned read per page (layout.h: plan_swap_page). Space is reserved up front
+// with posix_fallocate so that a full disk fails here with ENOSPC. Writes go
+// through a fixed staging pool (mempool.h) and bypass the page cache.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "mm/direct_io.h"
+#include "mm/mempool.h"
+
+namespace mlx_pager {
+
+class SwapWriter {
+ public:
+  // Creates `path` with `reserve_bytes` reserved. `staging_bytes` is the size
+  // of the one staging buffer (a multiple of kIoAlign).
+  SwapWriter(
+      const std::string& path,
+      std::uint64_t reserve_bytes,
+      std::size_t staging_bytes = 8u << 20,
+      bool want_direct = true);
+  SwapWriter(const SwapWriter&) = delete;
+  SwapWriter& operator=(const SwapWriter&) = delete;
+
+  // Pads to kIoAlign and returns the offset where the next page starts.
+  std::uint64_t begin_page();
+  // Appends `n` bytes.
+  void write(const void* src, std::size_t n);
+  // Appends zeros up to the next multiple of `align`.
+  void pad_to(std::uint64_t align);
+  std::uint64_t position() const { return pos_; }
+  // Flushes, trims the file to what was written (padded to kIoAlign) and
+  // syncs it to the device. Returns the file size.
+  std::uint64_t finish();
+  IoMode mode() const { return file_.mode(); }
+
+ private:
+  void flush_full();
+
+  DirectFile file_;
+  MemPool pool_;
+  MemPool::Buffer buf_;
+  std::size_t fill_ = 0;          // bytes in buf_
+  std::uint64_t buf_offset_ = 0;  // file offset of buf_[0]
+  std::uint64_t pos_ = 0;         // logical end of what was written
+  bool finished_ = false;
+};
+
+}  // namespace mlx_pager

@@ -1,0 +1,428 @@
+// pager_tests.cpp: the pager against a reference Belady (MIN) simulator, its
+// budget under every schedule, races between readahead and faults, and
+// failures that name the page.
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "check.h"
+#include "mm/direct_io.h"
+#include "mm/pager.h"
+#include "test_files.h"
+
+using namespace mlx_pager;
+
+namespace {
+
+constexpr std::uint64_t kPage = 64 * 1024;  // frame bytes of every test page
+
+// Pages 0..n-1, page i = bytes [i*kPage, (i+1)*kPage) of one pattern file.
+struct Fixture {
+  std::string path;
+  std::uint64_t seed;
+  int n;
+  Fixture(int pages, std::uint64_t s, const std::string& name)
+      : path(check::pattern_file(name, pages * kPage, s)), seed(s), n(pages) {}
+  void register_pages(Pager& p, int priority_every = 0) const {
+    FileId f = p.add_file(path);
+    for (int i = 0; i < n; ++i) {
+      PageSpec s;
+      s.name = "block." + std::to_string(i);
+      s.frame_bytes = kPage;
+      s.extents.push_back(Extent{f, i * kPage, kPage, kPage, 0});
+      s.priority = priority_every > 0 && i % priority_every == 0 ? 1 : 0;
+      p.add_page(std::move(s));
+    }
+  }
+  bool frame_ok(const Frame& fr, int page) const {
+    return check::matches_pattern(fr.data, kPage, seed, page * kPage);
+  }
+};
+
+PagerConfig config(std::uint64_t pages_budget, Policy policy, int readahead) {
+  PagerConfig c;
+  c.budget_bytes = pages_budget * kPage;
+  c.policy = policy;
+  c.readahead_pages = readahead;
+  c.io_threads = 2;
+  c.io_chunk_bytes = 16 * 1024;
+  return c;
+}
+
+// The reference: Belady's MIN over `cycles` repetitions of `order` with room
+// for `k` equal pages. Returns the number of page loads.
+std::uint64_t belady_loads(const std::vector<PageId>& order, int cycles, int k) {
+  std::vector<PageId> seq;
+  for (int c = 0; c < cycles; ++c) seq.insert(seq.end(), order.begin(), order.end());
+  std::vector<PageId> cache;
+  std::uint64_t loads = 0;
+  for (std::size_t t = 0; t < seq.size(); ++t) {
+    if (std::find(cache.begin(), cache.end(), seq[t]) != cache.end()) continue;
+    ++loads;
+    if (static_cast<int>(cache.size()) == k) {
+      // evict the page whose next use is furthest (or never)
+      std::size_t victim = 0, best = 0;
+      for (std::size_t i = 0; i < cache.size(); ++i) {
+        std::size_t nu = seq.size() + 1;
+        for (std::size_t u = t + 1; u < seq.size(); ++u) {
+          if (seq[u] == cache[i]) { nu = u; break; }
+        }
+        if (nu > best) { best = nu; victim = i; }
+      }
+      cache.erase(cache.begin() + victim);
+    }
+    cache.push_back(seq[t]);
+  }
+  return loads;
+}
+
+std::uint64_t lru_loads(const std::vector<PageId>& order, int cycles, int k) {
+  std::vector<PageId> cache;  // front = least recent
+  std::uint64_t loads = 0;
+  for (int c = 0; c < cycles; ++c) {
+    for (PageId p : order) {
+      auto it = std::find(cache.begin(), cache.end(), p);
+      if (it != cache.end()) {
+        cache.erase(it);
+      } else {
+        ++loads;
+        if (static_cast<int>(cache.size()) == k) cache.erase(cache.begin());
+      }
+      cache.push_back(p);
+    }
+  }
+  return loads;
+}
+
+std::vector<PageId> forward_backward(int n, int first_adapted = 0) {
+  std::vector<PageId> o;
+  for (int i = 0; i < n; ++i) o.push_back(i);
+  for (int i = n - 1; i >= first_adapted; --i) o.push_back(i);
+  return o;
+}
+
+// Runs the schedule through the pager, checking every frame's bytes and that
+// the budget holds at every step. Returns pages read.
+// The pager is told the whole finite run (the schedule repeated `cycles`
+// times, then nothing), as the reference is.
+std::uint64_t run_schedule(Pager& p, const Fixture& fx, const std::vector<PageId>& order,
+                           int cycles, std::uint64_t budget) {
+  std::vector<PageId> all;
+  for (int c = 0; c < cycles; ++c) all.insert(all.end(), order.begin(), order.end());
+  p.set_schedule(all, /*repeat=*/false);
+  for (int c = 0; c < cycles; ++c) {
+    for (PageId id : order) {
+      Frame f = p.acquire(id);
+      CHECK(fx.frame_ok(f, static_cast<int>(id)));
+      CHECK(p.stats().resident_bytes_now <= budget);
+      f = Frame{};
+      p.release(id);
+    }
+  }
+  // Let background reads land before counting.
+  for (int i = 0; i < 1000 && p.stats().in_flight_pages_now > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  VmStat s = p.stats();
+  CHECK(s.peak_resident_bytes <= budget);
+  return s.pages_read;
+}
+
+}  // namespace
+
+TEST_CASE("pager: acquire returns the page's exact bytes, once read") {
+  Fixture fx(4, 21, "pager_basic.bin");
+  Pager p(config(4, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  Frame a = p.acquire(2);
+  CHECK(fx.frame_ok(a, 2));
+  CHECK(p.state(2) == PageState::resident);
+  Frame b = p.acquire(2);  // a hit: same frame
+  CHECK(a.data == b.data);
+  p.release(2);
+  p.release(2);
+  VmStat s = p.stats();
+  CHECK_EQ(s.faults, 1u);
+  CHECK_EQ(s.hits, 1u);
+  CHECK_EQ(s.bytes_read, kPage);
+  CHECK_EQ(s.direct_files, 1u);
+  CHECK_THROWS_WITH(p.release(2), "not acquired");
+}
+
+TEST_CASE("pager: a page made of several extents from several files") {
+  auto f1 = check::pattern_file("multi1.bin", 3 * kIoAlign + 10, 31);
+  auto f2 = check::pattern_file("multi2.bin", 5 * kIoAlign, 32);
+  for (bool direct : {true, false}) {
+    PagerConfig c = config(8, Policy::optimal, 0);
+    c.direct_io = direct;
+    Pager p(c, std::make_shared<HeapFrameAllocator>());
+    FileId a = p.add_file(f1), b = p.add_file(f2);
+    PageSpec s;
+    s.name = "mixed";
+    s.frame_bytes = 8 * kIoAlign;
+    s.extents = {Extent{b, kIoAlign, 2 * kIoAlign, 2 * kIoAlign, 0},
+                 Extent{a, 2 * kIoAlign, 2 * kIoAlign, kIoAlign + 10, 4 * kIoAlign}};
+    PageId id = p.add_page(s);
+    Frame f = p.acquire(id);
+    CHECK(check::matches_pattern(f.data, 2 * kIoAlign, 32, kIoAlign));
+    CHECK(check::matches_pattern(f.data + 4 * kIoAlign, kIoAlign + 10, 31, 2 * kIoAlign));
+    CHECK_EQ(p.stats().buffered_files, direct ? 0u : 2u);
+    p.release(id);
+  }
+}
+
+TEST_CASE("pager: optimal policy reads exactly Belady's minimum over forward-then-backward") {
+  Fixture fx(12, 41, "pager_fb.bin");
+  for (int first_adapted : {0, 5}) {
+    auto order = forward_backward(12, first_adapted);
+    for (int k : {1, 2, 3, 5, 8, 12, 13}) {
+      for (int readahead : {0, 1, 3}) {
+        if (k == 1 && readahead > 0) continue;  // no room to read ahead
+        std::uint64_t budget = k * kPage;
+        Pager p(config(k, Policy::optimal, readahead), std::make_shared<HeapFrameAllocator>());
+        fx.register_pages(p);
+        std::uint64_t got = run_schedule(p, fx, order, 3, budget);
+        std::uint64_t want = belady_loads(order, 3, k);
+        if (got != want) {
+          std::cerr << "  k=" << k << " readahead=" << readahead
+                    << " first_adapted=" << first_adapted << ": read " << got
+                    << " pages, Belady " << want << "\n";
+        }
+        CHECK_EQ(got, want);
+      }
+    }
+  }
+}
+
+TEST_CASE("pager: a repeating schedule reads Belady's per-step minimum in steady state") {
+  // Told only one step and that it repeats, the pager reads per step what MIN
+  // reads per step in the middle of a long run.
+  Fixture fx(12, 53, "pager_cyc.bin");
+  for (int first_adapted : {0, 4}) {
+    auto order = forward_backward(12, first_adapted);
+    for (int k : {2, 5, 9}) {
+      for (int readahead : {0, 2}) {
+        Pager p(config(k, Policy::optimal, readahead), std::make_shared<HeapFrameAllocator>());
+        fx.register_pages(p);
+        p.set_schedule(order, /*repeat=*/true);
+        std::uint64_t before = 0;
+        for (int c = 0; c < 4; ++c) {
+          if (c == 2) before = p.stats().pages_read;
+          for (PageId id : order) {
+            Frame f = p.acquire(id);
+            CHECK(fx.frame_ok(f, static_cast<int>(id)));
+            f = Frame{};
+            p.release(id);
+          }
+        }
+        std::uint64_t per_step = (p.stats().pages_read - before) / 2;
+        std::uint64_t want = (belady_loads(order, 8, k) - belady_loads(order, 6, k)) / 2;
+        CHECK_EQ(per_step, want);
+      }
+    }
+  }
+}
+
+TEST_CASE("pager: lru matches the LRU simulator, and never beats Belady") {
+  Fixture fx(10, 42, "pager_lru.bin");
+  // A cyclic forward-only order is LRU's worst case.
+  std::vector<PageId> cyclic;
+  for (int i = 0; i < 10; ++i) cyclic.push_back(i);
+  for (auto order : {forward_backward(10), cyclic}) {
+    for (int k : {2, 4, 7}) {
+      Pager p(config(k, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+      fx.register_pages(p);
+      std::uint64_t got = run_schedule(p, fx, order, 3, k * kPage);
+      CHECK_EQ(got, lru_loads(order, 3, k));
+      CHECK(got >= belady_loads(order, 3, k));
+      std::cerr << "  k=" << k << " schedule=" << (order.size() == 10 ? "cyclic" : "fwd+bwd")
+                << ": lru " << got << " pages, Belady " << belady_loads(order, 3, k) << "\n";
+    }
+  }
+}
+
+TEST_CASE("pager: optimal equals Belady on random schedules, with and without readahead") {
+  Fixture fx(9, 43, "pager_rand.bin");
+  std::mt19937 rng(1234);
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<PageId> order;
+    int len = 5 + static_cast<int>(rng() % 30);
+    for (int i = 0; i < len; ++i) order.push_back(rng() % 9);
+    int k = 1 + static_cast<int>(rng() % 6);
+    for (int readahead : {0, 1, 4}) {
+      Pager p(config(k, Policy::optimal, readahead), std::make_shared<HeapFrameAllocator>());
+      fx.register_pages(p);
+      CHECK_EQ(run_schedule(p, fx, order, 2, k * kPage), belady_loads(order, 2, k));
+    }
+  }
+}
+
+TEST_CASE("pager: readahead overlaps reads with compute and is counted") {
+  Fixture fx(8, 44, "pager_ra.bin");
+  Pager p(config(4, Policy::optimal, 2), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.set_schedule(forward_backward(8));
+  for (PageId id : forward_backward(8)) {
+    Frame f = p.acquire(id);
+    CHECK(fx.frame_ok(f, static_cast<int>(id)));
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // "compute"
+    p.release(id);
+  }
+  VmStat s = p.stats();
+  CHECK(s.readahead_reads > 0);
+  CHECK(s.readahead_hits >= s.readahead_reads - 2);
+  CHECK(s.faults <= 1);  // only the very first page is a demand fault
+}
+
+TEST_CASE("pager: the budget holds with many threads racing readahead and faults") {
+  Fixture fx(16, 45, "pager_race.bin");
+  const int k = 6;
+  Pager p(config(k, Policy::optimal, 3), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.set_schedule(forward_backward(16));
+  // Widen the race windows: every chunk read sleeps a little.
+  p.set_fault_injector([](const std::string&, std::uint64_t, std::size_t&, int&) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  });
+  std::atomic<bool> bad{false};
+  std::atomic<bool> stop{false};
+  std::thread watcher([&] {
+    while (!stop) {
+      if (p.stats().resident_bytes_now > k * kPage) bad = true;
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < 150; ++i) {
+        PageId id = rng() % 16;
+        try {
+          Frame f = p.acquire(id);
+          if (!fx.frame_ok(f, static_cast<int>(id))) bad = true;
+          p.release(id);
+        } catch (const BudgetError&) {
+          // 4 threads may hold 4 pages; with readahead in flight a fault can
+          // find no room, which is an error, never a budget overrun.
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  watcher.join();
+  CHECK(!bad.load());
+  CHECK(p.stats().peak_resident_bytes <= k * kPage);
+}
+
+TEST_CASE("pager: a failed read names the page and file, and a retry succeeds") {
+  Fixture fx(3, 46, "pager_eio.bin");
+  Pager p(config(3, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.set_fault_injector([](const std::string&, std::uint64_t off, std::size_t&, int& err) {
+    if (off >= kPage && off < 2 * kPage) err = EIO;
+  });
+  CHECK_THROWS_WITH(p.acquire(1), "page 'block.1'");
+  CHECK_THROWS_WITH(p.acquire(1), "pager_eio.bin");
+  CHECK(p.state(1) == PageState::on_disk);
+  CHECK_EQ(p.stats().resident_bytes_now, 0u);  // the failed frame was freed
+  CHECK(p.stats().read_errors >= 2);
+  p.set_fault_injector({});
+  Frame f = p.acquire(1);
+  CHECK(fx.frame_ok(f, 1));
+  p.release(1);
+}
+
+TEST_CASE("pager: a file shorter than its pages is an error, not a crash") {
+  auto path = check::pattern_file("pager_trunc.bin", kPage + 100, 47);
+  Pager p(config(4, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  FileId f = p.add_file(path);
+  PageSpec s{"block.1", kPage, {Extent{f, kPage, kPage, kPage, 0}}, 0};
+  PageId id = p.add_page(s);
+  CHECK_THROWS_WITH(p.acquire(id), "page 'block.1'");
+}
+
+TEST_CASE("pager: a budget too small for a page says what would fit") {
+  Fixture fx(2, 48, "pager_small.bin");
+  Pager p(config(0, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  p.set_budget(kPage / 2);
+  fx.register_pages(p);
+  CHECK_THROWS_WITH(p.acquire(0), "raise the budget to at least 65536");
+  p.set_budget(kPage);
+  Frame f = p.acquire(0);
+  CHECK_THROWS_WITH(p.acquire(1), "every resident page is acquired or pinned");
+  p.release(0);
+  f = Frame{};  // drop our view of page 0 too, or its memory stays charged
+  f = p.acquire(1);  // now 0 can be evicted
+  p.release(1);
+}
+
+TEST_CASE("pager: memory still referenced after eviction counts until freed") {
+  Fixture fx(3, 49, "pager_zombie.bin");
+  Pager p(config(2, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  Frame held = p.acquire(0);
+  p.release(0);
+  Frame f1 = p.acquire(1);
+  p.release(1);
+  // Page 2 needs room: page 0 is evicted, but `held` still pins its memory.
+  std::thread dropper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    held = Frame{};
+  });
+  Frame f2 = p.acquire(2);  // waits for the drop instead of overrunning
+  dropper.join();
+  CHECK(fx.frame_ok(f2, 2));
+  CHECK(p.stats().peak_resident_bytes <= 2 * kPage);
+  p.release(2);
+}
+
+TEST_CASE("pager: pinned pages are never evicted and are mlocked where allowed") {
+  Fixture fx(4, 50, "pager_pin.bin");
+  Pager p(config(2, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.pin(0);
+  for (int round = 0; round < 3; ++round) {
+    for (PageId id : {1, 2, 3}) {
+      Frame f = p.acquire(id);
+      CHECK(fx.frame_ok(f, static_cast<int>(id)));
+      p.release(id);
+    }
+  }
+  CHECK(p.state(0) == PageState::resident);
+  VmStat s = p.stats();
+  CHECK_EQ(s.pinned_bytes_now, kPage);
+  std::cerr << "  mlocked " << s.mlocked_bytes_now << " of " << s.pinned_bytes_now << " pinned bytes\n";
+  p.unpin(0);
+  p.evict_all();
+  CHECK(p.state(0) == PageState::on_disk);
+}
+
+TEST_CASE("pager: priority classes decide the eviction order first") {
+  Fixture fx(4, 51, "pager_prio.bin");
+  Pager p(config(3, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p, /*priority_every=*/2);  // pages 0 and 2 are class 1
+  for (PageId id : {0, 1, 2}) {
+    p.acquire(id);
+    p.release(id);
+  }
+  p.acquire(3);  // must evict page 1, the only class-0 page, though 0 is older
+  p.release(3);
+  CHECK(p.state(1) == PageState::on_disk);
+  CHECK(p.state(0) == PageState::resident);
+}
+
+TEST_CASE("pager: lowering the budget evicts down to it") {
+  Fixture fx(4, 52, "pager_shrink.bin");
+  Pager p(config(4, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  for (PageId id : {0, 1, 2, 3}) {
+    p.acquire(id);
+    p.release(id);
+  }
+  CHECK_EQ(p.set_budget(2 * kPage), 4 * kPage);
+  CHECK(p.stats().resident_bytes_now <= 2 * kPage);
+}
