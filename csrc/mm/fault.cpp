@@ -9,6 +9,7 @@
 // A read failing puts the page back on disk with its error; the acquire that
 // waited for it throws PageReadError, a later acquire tries again.
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <utility>
 
@@ -277,6 +278,16 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
   PageEntry& e = table_.at(id);
   if (e.read_gen != gen || e.state != PageState::in_flight) {
     return;
+  }
+  if (!e.spec.moves.empty() && !batch.error()) {
+    // Align tensors the reads left misaligned (layout.h). The frame is ours
+    // alone while in flight, so this runs without the lock.
+    char* data = e.frame.data;
+    lock.unlock();
+    for (const FrameMove& m : e.spec.moves) {
+      std::memmove(data + m.to, data + m.from, m.length);
+    }
+    lock.lock();
   }
   e.io.reset();
   if (std::exception_ptr err = batch.error()) {

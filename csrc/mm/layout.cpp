@@ -18,13 +18,6 @@ PagePlan plan_in_place(
   plan.tensors.resize(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorSource& t = tensors[i];
-    if (t.itemsize == 0 || t.offset % t.itemsize != 0) {
-      plan.ok = false;
-      plan.why_not = "tensor '" + t.name + "' starts at byte " +
-          std::to_string(t.offset) + ", not a multiple of its item size " +
-          std::to_string(t.itemsize);
-      return plan;
-    }
     if (t.file >= file_sizes.size() || t.offset + t.nbytes > file_sizes[t.file]) {
       plan.ok = false;
       plan.why_not = "tensor '" + t.name + "' lies past the end of its file";
@@ -62,12 +55,24 @@ PagePlan plan_in_place(
     x.required = std::min(win_end, file_sizes[first.file]) - win_begin;
     x.frame_offset = frame_cursor;
     plan.extents.push_back(x);
+    // Shift misaligned tensors right by a running amount `shift` that only
+    // grows along the run, so moving them last-first never overwrites a
+    // tensor not yet moved. The last one may move past the window: slack.
+    std::uint64_t base = frame_cursor - win_begin;  // frame pos = base + file offset
+    std::uint64_t shift = 0;
+    std::vector<FrameMove> run_moves;
     for (std::size_t k = i; k < j; ++k) {
       const TensorSource& t = tensors[order[k]];
-      plan.tensors[order[k]] =
-          PlacedTensor{t.name, frame_cursor + (t.offset - win_begin), t.nbytes};
+      std::uint64_t at = base + t.offset;
+      std::uint64_t to = align_up(at + shift, kInPlaceAlign);
+      shift = to - at;
+      if (shift > 0) {
+        run_moves.push_back(FrameMove{at, to, t.nbytes});
+      }
+      plan.tensors[order[k]] = PlacedTensor{t.name, to, t.nbytes};
     }
-    frame_cursor += x.length;
+    plan.moves.insert(plan.moves.end(), run_moves.rbegin(), run_moves.rend());
+    frame_cursor = align_up(frame_cursor + x.length + shift, kIoAlign);
     i = j;
   }
   plan.frame_bytes = std::max<std::uint64_t>(frame_cursor, kIoAlign);

@@ -9,7 +9,11 @@
 //    request. Direct I/O needs file offset == frame offset modulo kIoAlign, so
 //    a tensor's place in the frame follows from its place in the file; a
 //    tensor whose file offset is not a multiple of its item size could not
-//    be viewed in place and makes the plan fail (use the swap file).
+//    be viewed in place is moved after the read: MLX's own writer does not
+//    pad the header, so in MLX-written files most tensors start at odd
+//    offsets. Each such tensor is shifted right by a few bytes inside its
+//    frame (kInPlaceAlign), in place, last tensor first, into slack the plan
+//    leaves after each run: a memmove on the I/O thread, no second buffer.
 //  - swap file: the pager wrote the page itself, contiguously, each tensor at
 //    a kTensorAlign boundary, the page padded to kIoAlign: one read per page.
 #pragma once
@@ -25,6 +29,9 @@ namespace mlx_pager {
 // Alignment of tensors inside swap-file pages (covers every MLX dtype and
 // the 16-byte loads of vectorised kernels).
 inline constexpr std::uint64_t kTensorAlign = 256;
+// Alignment tensors read in place are moved to when their file offset lacks
+// it: every MLX dtype's size, and 16-byte vector loads on GPUs.
+inline constexpr std::uint64_t kInPlaceAlign = 16;
 
 struct TensorSource {
   std::string name;
@@ -45,11 +52,13 @@ struct PagePlan {
   std::string why_not;  // when !ok: which tensor could not be placed, and why
   std::uint64_t frame_bytes = 0;
   std::vector<Extent> extents;
-  std::vector<PlacedTensor> tensors;  // in the order given
+  std::vector<FrameMove> moves;       // to apply, in order, after the reads
+  std::vector<PlacedTensor> tensors;  // in the order given; final offsets
 };
 
 // Plans reading `tensors` in place from their files. `file_sizes[f]` bounds
-// how many bytes of file f exist (reads past them are padding only).
+// how many bytes of file f exist (reads past them are padding only). Fails
+// (ok = false) only for a tensor that lies outside its file.
 PagePlan plan_in_place(
     const std::vector<TensorSource>& tensors,
     const std::vector<std::uint64_t>& file_sizes,

@@ -1,6 +1,7 @@
 // page_table.cpp: the page registry.
 #include "mm/page_table.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace mlx_pager {
@@ -61,6 +62,12 @@ PageId PageTable::add_page(PageSpec spec) {
           "[PageTable::add_page] page '" + spec.name + "': extent in " +
           files_[e.file]->path() +
           " is not aligned for direct I/O (plan pages with layout.h)");
+    }
+  }
+  for (const FrameMove& m : spec.moves) {
+    if (std::max(m.from, m.to) + m.length > spec.frame_bytes) {
+      throw std::invalid_argument(
+          "[PageTable::add_page] page '" + spec.name + "': a move runs past the frame");
     }
   }
   PageId id = static_cast<PageId>(pages_.size());

@@ -44,11 +44,20 @@ struct Extent {
   std::uint64_t frame_offset = 0;
 };
 
+// A memmove inside the frame, applied after the reads (layout.h: tensors
+// moved to an aligned place). Moves run in the order given.
+struct FrameMove {
+  std::uint64_t from = 0;
+  std::uint64_t to = 0;
+  std::uint64_t length = 0;
+};
+
 struct PageSpec {
   std::string name;
   std::uint64_t frame_bytes = 0;  // size of the in-memory frame
   std::vector<Extent> extents;
   int priority = 0;  // eviction class: lower classes are evicted first
+  std::vector<FrameMove> moves;
 };
 
 // What the pager knows of one page at run time.

@@ -211,7 +211,9 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
   for (;;) {
     std::string name = j.str();
     j.expect(':');
-    if (name == "__metadata__") {
+    if (name == "__metadata__" && !j.peek('{')) {
+      j.skip();  // MLX's C++ writer stores `null` when there is none
+    } else if (name == "__metadata__") {
       j.expect('{');
       if (!j.peek('}')) {
         for (;;) {

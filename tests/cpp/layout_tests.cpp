@@ -1,14 +1,18 @@
 // layout_tests.cpp: in-place plans coalesce, stay aligned and never overlap;
 // swap pages pack tensors at kTensorAlign.
+#include <cstring>
+
 #include "check.h"
+#include "test_files.h"
 #include "mm/direct_io.h"
 #include "mm/layout.h"
 
 using namespace mlx_pager;
 
+// Simulates a page read: file bytes land in the frame per extent, then the
+// moves run. Every tensor must then hold its file bytes at its planned,
+// aligned offset, and extents must be aligned and disjoint in the frame.
 static bool plan_is_consistent(const PagePlan& p, const std::vector<TensorSource>& src) {
-  // Frame windows are aligned and disjoint; every tensor sits inside the
-  // window of its extent at the right distance from the window's file start.
   for (std::size_t i = 0; i < p.extents.size(); ++i) {
     const Extent& a = p.extents[i];
     if (a.file_offset % kIoAlign || a.length % kIoAlign || a.frame_offset % kIoAlign) return false;
@@ -18,15 +22,22 @@ static bool plan_is_consistent(const PagePlan& p, const std::vector<TensorSource
       if (a.frame_offset < b.frame_offset + b.length && b.frame_offset < a.frame_offset + a.length) return false;
     }
   }
-  for (std::size_t t = 0; t < src.size(); ++t) {
-    bool inside = false;
-    for (const Extent& x : p.extents) {
-      if (x.file == src[t].file && src[t].offset >= x.file_offset &&
-          src[t].offset + src[t].nbytes <= x.file_offset + x.required) {
-        inside |= p.tensors[t].frame_offset == x.frame_offset + (src[t].offset - x.file_offset);
-      }
+  std::vector<char> frame(p.frame_bytes, 0);
+  for (const Extent& x : p.extents) {
+    for (std::uint64_t k = 0; k < x.length; ++k) {
+      frame[x.frame_offset + k] = static_cast<char>(check::pattern_byte(x.file, x.file_offset + k));
     }
-    if (!inside || p.tensors[t].frame_offset % src[t].itemsize) return false;
+  }
+  for (const FrameMove& m : p.moves) {
+    if (std::max(m.from, m.to) + m.length > p.frame_bytes) return false;
+    std::memmove(frame.data() + m.to, frame.data() + m.from, m.length);
+  }
+  for (std::size_t t = 0; t < src.size(); ++t) {
+    const PlacedTensor& pt = p.tensors[t];
+    if (pt.frame_offset % std::min<std::uint64_t>(kInPlaceAlign, 16) != 0) return false;
+    if (!check::matches_pattern(frame.data() + pt.frame_offset, src[t].nbytes, src[t].file, src[t].offset)) {
+      return false;
+    }
   }
   return true;
 }
@@ -63,8 +74,26 @@ TEST_CASE("layout: tensors far apart or in other files get reads of their own") 
   }
 }
 
-TEST_CASE("layout: a tensor misaligned for its dtype cannot be read in place") {
-  std::vector<TensorSource> t = {{"w", 0, 10, 64, 4}};
+TEST_CASE("layout: misaligned tensors are moved into place after the read") {
+  // As in files MLX writes: the data section starts at an odd offset.
+  std::vector<TensorSource> t;
+  std::uint64_t off = 8 + 143;
+  for (int i = 0; i < 20; ++i) {
+    std::uint64_t n = (i % 3 == 0) ? 6 : 4096 + 2 * i;  // odd sizes shift later tensors
+    t.push_back({"t" + std::to_string(i), 0, off, n, 2});
+    off += n;
+  }
+  auto p = plan_in_place(t, {off});
+  REQUIRE(p.ok);
+  CHECK_EQ(p.extents.size(), 1u);
+  CHECK(!p.moves.empty());
+  CHECK(plan_is_consistent(p, t));
+  // Moves run last tensor first.
+  for (std::size_t i = 1; i < p.moves.size(); ++i) CHECK(p.moves[i].from < p.moves[i - 1].from);
+}
+
+TEST_CASE("layout: a tensor outside its file cannot be planned") {
+  std::vector<TensorSource> t = {{"w", 0, 4000, 200, 4}};
   auto p = plan_in_place(t, {4096});
   CHECK(!p.ok);
   CHECK(p.why_not.find("'w'") != std::string::npos);

@@ -1,0 +1,98 @@
+// mlx_frames.cpp: frames allocated by MLX, and zero-copy views into them.
+#include "mlx/mlx_frames.h"
+
+#include <stdexcept>
+#include <string>
+
+#include <mlx/allocator.h>
+
+#include "mm/direct_io.h"
+
+namespace mlx_pager {
+
+namespace {
+
+// What a frame's owner holds: a uint8 array owning the MLX buffer, and where
+// the aligned frame starts inside that buffer.
+struct MlxFrameOwner {
+  mx::array base;
+  std::uint64_t data_offset;  // bytes from the buffer's raw_ptr to frame.data
+};
+
+}  // namespace
+
+std::uint64_t MlxFrameAllocator::footprint(std::uint64_t bytes) const {
+  // One kIoAlign of slack lets the frame start aligned inside the buffer.
+  return bytes + kIoAlign;
+}
+
+Frame MlxFrameAllocator::allocate(
+    std::uint64_t bytes,
+    std::function<void()> on_free) {
+  std::uint64_t total = footprint(bytes);
+  if (total > static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max())) {
+    // MLX shapes are int32: a single frame must stay under 2 GiB.
+    throw std::invalid_argument(
+        "[MlxFrameAllocator] a page of " + std::to_string(bytes) +
+        " bytes is larger than one MLX array can be (2 GiB): split the page");
+  }
+  mx::allocator::Buffer buf = mx::allocator::allocator().malloc(total);
+  if (buf.ptr() == nullptr) {
+    throw std::bad_alloc();
+  }
+  auto* raw = static_cast<char*>(buf.raw_ptr());
+  std::uint64_t offset = align_up(reinterpret_cast<std::uintptr_t>(raw), kIoAlign) -
+      reinterpret_cast<std::uintptr_t>(raw);
+  mx::array base(
+      mx::allocator::Data(
+          buf,
+          [on_free = std::move(on_free)](mx::allocator::Buffer b) {
+            mx::allocator::allocator().free(b);
+            on_free();
+          }),
+      mx::Shape{static_cast<int32_t>(total)},
+      mx::uint8);
+  Frame f;
+  f.data = raw + offset;
+  f.size = bytes;
+  f.owner = std::make_shared<MlxFrameOwner>(MlxFrameOwner{std::move(base), offset});
+  return f;
+}
+
+mx::array MlxFrameAllocator::view(
+    const Frame& frame,
+    std::uint64_t frame_offset,
+    mx::Dtype dtype,
+    const mx::Shape& shape) {
+  const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());
+  std::uint64_t byte_offset = owner.data_offset + frame_offset;
+  std::size_t item = mx::size_of(dtype);
+  if (byte_offset % item != 0) {
+    throw std::logic_error("[MlxFrameAllocator::view] misaligned tensor offset");
+  }
+  mx::array out(shape, dtype, nullptr, {});
+  std::uint64_t nbytes = out.nbytes();
+  if (frame_offset + nbytes > frame.size) {
+    throw std::logic_error("[MlxFrameAllocator::view] tensor runs past its frame");
+  }
+  mx::Strides strides(shape.size());
+  int64_t stride = 1;
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+  mx::array::Flags flags;
+  flags.contiguous = true;
+  flags.row_contiguous = true;
+  int64_t nontrivial = 0;
+  for (auto d : shape) {
+    nontrivial += d > 1;
+  }
+  flags.col_contiguous = nontrivial <= 1;
+  // copy_shared_buffer's offset counts elements of the new array's dtype.
+  out.copy_shared_buffer(owner.base, strides, flags, out.size(), byte_offset / item);
+  out.set_status(mx::array::Status::available);
+  return out;
+}
+
+}  // namespace mlx_pager

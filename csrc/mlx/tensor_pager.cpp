@@ -1,0 +1,161 @@
+// tensor_pager.cpp: pages of mx::arrays over the MLX-free pager.
+#include "mlx/tensor_pager.h"
+
+#include <filesystem>
+#include <stdexcept>
+
+#include <mlx/ops.h>
+#include <mlx/transforms.h>
+
+#include "mm/layout.h"
+
+namespace mlx_pager {
+
+static std::uint64_t spec_nbytes(const TensorSpec& t) {
+  std::uint64_t n = mx::size_of(t.dtype);
+  for (auto d : t.shape) {
+    if (d < 0) {
+      throw std::invalid_argument("tensor '" + t.name + "' has a negative dimension");
+    }
+    n *= static_cast<std::uint64_t>(d);
+  }
+  return n;
+}
+
+TensorPager::TensorPager(PagerConfig config)
+    : alloc_(std::make_shared<MlxFrameAllocator>()), pager_(config, alloc_) {}
+
+PageId TensorPager::add(PageSpec spec, std::vector<Placed> tensors) {
+  std::lock_guard<std::mutex> lock(mu_);
+  PageId id = pager_.add_page(std::move(spec));
+  if (id != layouts_.size()) {
+    throw std::logic_error("[TensorPager] pages were added to the pager directly");
+  }
+  layouts_.push_back(std::move(tensors));
+  return id;
+}
+
+PageId TensorPager::add_page_in_place(
+    const std::string& name,
+    const std::vector<FileTensor>& tensors,
+    int priority) {
+  std::vector<TensorSource> sources;
+  std::vector<std::uint64_t> file_sizes;
+  for (const FileTensor& t : tensors) {
+    std::uint64_t want = spec_nbytes(t.spec);
+    if (want != t.nbytes) {
+      throw std::invalid_argument(
+          "[TensorPager] page '" + name + "': tensor '" + t.spec.name + "' is " +
+          std::to_string(t.nbytes) + " bytes in " + t.path +
+          " but its dtype and shape need " + std::to_string(want));
+    }
+    FileId f = pager_.add_file(t.path);
+    if (f >= file_sizes.size()) {
+      file_sizes.resize(f + 1, 0);
+    }
+    file_sizes[f] = std::filesystem::file_size(t.path);
+    sources.push_back(TensorSource{
+        t.spec.name, f, t.offset, t.nbytes,
+        static_cast<std::uint32_t>(mx::size_of(t.spec.dtype))});
+  }
+  PagePlan plan = plan_in_place(sources, file_sizes);
+  if (!plan.ok) {
+    throw std::invalid_argument(
+        "[TensorPager] page '" + name + "' cannot be read in place: " +
+        plan.why_not);
+  }
+  std::vector<Placed> placed;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    placed.push_back(Placed{tensors[i].spec, plan.tensors[i].frame_offset});
+  }
+  return add(
+      PageSpec{name, plan.frame_bytes, plan.extents, priority, plan.moves},
+      std::move(placed));
+}
+
+PageId TensorPager::add_page_from_swap(
+    const std::string& name,
+    const std::string& swap_path,
+    std::uint64_t page_offset,
+    const std::vector<TensorSpec>& tensors,
+    int priority) {
+  FileId f = pager_.add_file(swap_path);
+  std::vector<std::string> names;
+  std::vector<std::uint64_t> sizes;
+  for (const TensorSpec& t : tensors) {
+    names.push_back(t.name);
+    sizes.push_back(spec_nbytes(t));
+  }
+  PagePlan plan = plan_from_swap(f, page_offset, names, sizes);
+  std::uint64_t file_size = std::filesystem::file_size(swap_path);
+  if (page_offset + plan.frame_bytes > file_size) {
+    throw std::invalid_argument(
+        "[TensorPager] page '" + name + "' ends at byte " +
+        std::to_string(page_offset + plan.frame_bytes) + " of " + swap_path +
+        " but the file has " + std::to_string(file_size) +
+        " bytes: the swap file is stale or truncated (delete it to rebuild)");
+  }
+  std::vector<Placed> placed;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    placed.push_back(Placed{tensors[i], plan.tensors[i].frame_offset});
+  }
+  return add(PageSpec{name, plan.frame_bytes, plan.extents, priority, {}}, std::move(placed));
+}
+
+NamedArrays TensorPager::acquire(PageId id) {
+  const std::vector<Placed>* layout;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    layout = &layouts_.at(id);  // deque: stays valid as pages are added
+  }
+  Frame frame = pager_.acquire(id);
+  NamedArrays out;
+  out.reserve(layout->size());
+  try {
+    for (const Placed& p : *layout) {
+      out.emplace_back(
+          p.spec.name,
+          MlxFrameAllocator::view(frame, p.frame_offset, p.spec.dtype, p.spec.shape));
+    }
+  } catch (...) {
+    pager_.release(id);
+    throw;
+  }
+  return out;
+}
+
+std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& arrays) {
+  std::uint64_t start = writer.begin_page();
+  for (const mx::array& a : arrays) {
+    mx::array c = a;
+    mx::eval(c);
+    if (!c.flags().row_contiguous) {
+      c = mx::contiguous(c);  // e.g. a transposed or broadcast array
+      mx::eval(c);
+    }
+    writer.pad_to(kTensorAlign);
+    writer.write(c.data<char>(), c.nbytes());
+  }
+  writer.pad_to(kIoAlign);
+  return start;
+}
+
+mx::Dtype dtype_from_safetensors(const std::string& d) {
+  if (d == "BOOL") return mx::bool_;
+  if (d == "U8" || d == "F8_E4M3" || d == "F8_E5M2" || d == "F8_E8M0") return mx::uint8;
+  if (d == "I8") return mx::int8;
+  if (d == "U16") return mx::uint16;
+  if (d == "I16") return mx::int16;
+  if (d == "U32") return mx::uint32;
+  if (d == "I32") return mx::int32;
+  if (d == "U64") return mx::uint64;
+  if (d == "I64") return mx::int64;
+  if (d == "F16") return mx::float16;
+  if (d == "BF16") return mx::bfloat16;
+  if (d == "F32") return mx::float32;
+  if (d == "F64") return mx::float64;
+  if (d == "C64") return mx::complex64;
+  throw std::invalid_argument("unknown safetensors dtype '" + d + "'");
+}
+
+}  // namespace mlx_pager

@@ -1,0 +1,87 @@
+// tensor_pager.h: the pager as MLX sees it: pages of named mx::arrays.
+//
+// Each page is a group of tensors (one transformer block's frozen weights,
+// say) with a dtype and shape each, read either in place from safetensors
+// files or from the pager's swap file. acquire() returns the tensors as
+// mx::arrays holding exactly the stored bytes, viewing the page's frame (no
+// copy); release() lets the page be evicted. Everything else (budget,
+// schedule, policies, readahead, counters) is the Pager's (mm/pager.h).
+#pragma once
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <mlx/array.h>
+
+#include "mlx/mlx_frames.h"
+#include "mm/pager.h"
+#include "mm/swapfile.h"
+
+namespace mlx_pager {
+
+struct TensorSpec {
+  std::string name;
+  mx::Dtype dtype = mx::uint8;
+  mx::Shape shape;
+};
+
+// A tensor stored in a file: `nbytes` bytes at absolute `offset` of `path`.
+struct FileTensor {
+  TensorSpec spec;
+  std::string path;
+  std::uint64_t offset = 0;
+  std::uint64_t nbytes = 0;
+};
+
+using NamedArrays = std::vector<std::pair<std::string, mx::array>>;
+
+class TensorPager {
+ public:
+  explicit TensorPager(PagerConfig config);
+
+  // A page read in place from the tensors' files. Throws std::invalid_argument
+  // (naming the page and tensor) if a tensor cannot be viewed in place; such
+  // a page goes to the swap file instead.
+  PageId add_page_in_place(
+      const std::string& name,
+      const std::vector<FileTensor>& tensors,
+      int priority = 0);
+  // A page written by write_swap_page() at `page_offset` of `swap_path`.
+  PageId add_page_from_swap(
+      const std::string& name,
+      const std::string& swap_path,
+      std::uint64_t page_offset,
+      const std::vector<TensorSpec>& tensors,
+      int priority = 0);
+
+  // The page's tensors, in registration order. Blocks while the page is read.
+  NamedArrays acquire(PageId id);
+  void release(PageId id) { pager_.release(id); }
+
+  Pager& pager() { return pager_; }
+  const Pager& pager() const { return pager_; }
+
+ private:
+  struct Placed {
+    TensorSpec spec;
+    std::uint64_t frame_offset;
+  };
+  PageId add(PageSpec spec, std::vector<Placed> tensors);
+
+  std::shared_ptr<MlxFrameAllocator> alloc_;
+  Pager pager_;
+  mutable std::mutex mu_;
+  std::deque<std::vector<Placed>> layouts_;  // by PageId
+};
+
+// Appends one page made of `arrays` to a swap file (evaluating them), laid
+// out as add_page_from_swap expects. Returns the page's offset in the file.
+std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& arrays);
+
+// The MLX dtype of a safetensors dtype name; throws naming unknown ones.
+mx::Dtype dtype_from_safetensors(const std::string& name);
+
+}  // namespace mlx_pager

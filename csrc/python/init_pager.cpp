@@ -1,0 +1,156 @@
+// init_pager.cpp: binds TensorPager (the pager of mx.array pages) as Pager.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <mlx/array.h>
+
+#include "mlx/tensor_pager.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace mlx_pager;
+
+namespace {
+
+using InPlaceTensor =
+    std::tuple<std::string, std::string, std::uint64_t, std::uint64_t, mx::Dtype, std::vector<int>>;
+using SwapTensor = std::tuple<std::string, mx::Dtype, std::vector<int>>;
+
+PageId page_id(const TensorPager& tp, const nb::handle& page) {
+  if (nb::isinstance<nb::str>(page)) {
+    return tp.pager().lookup(nb::cast<std::string>(page));
+  }
+  auto id = nb::cast<std::int64_t>(page);
+  if (id < 0 || static_cast<std::size_t>(id) >= tp.pager().num_pages()) {
+    throw nb::index_error(("no page with id " + std::to_string(id)).c_str());
+  }
+  return static_cast<PageId>(id);
+}
+
+nb::dict stats_dict(const VmStat& s) {
+  nb::dict d;
+  d["acquires"] = s.acquires;
+  d["hits"] = s.hits;
+  d["readahead_hits"] = s.readahead_hits;
+  d["faults"] = s.faults;
+  d["readahead_reads"] = s.readahead_reads;
+  d["evictions"] = s.evictions;
+  d["read_errors"] = s.read_errors;
+  d["pages_read"] = s.pages_read;
+  d["bytes_read"] = s.bytes_read;
+  d["io_wait_s"] = s.io_wait_ns * 1e-9;
+  d["reclaim_wait_s"] = s.reclaim_wait_ns * 1e-9;
+  d["resident_bytes"] = s.resident_bytes_now;
+  d["peak_resident_bytes"] = s.peak_resident_bytes;
+  d["pinned_bytes"] = s.pinned_bytes_now;
+  d["mlocked_bytes"] = s.mlocked_bytes_now;
+  d["resident_pages"] = s.resident_pages_now;
+  d["in_flight_pages"] = s.in_flight_pages_now;
+  d["direct_files"] = s.direct_files;
+  d["buffered_files"] = s.buffered_files;
+  return d;
+}
+
+}  // namespace
+
+void init_pager(nb::module_& m) {
+  nb::class_<TensorPager>(m, "Pager",
+      "Pages of named mx.arrays kept on SSD or in memory under a byte budget.\n"
+      "See csrc/mlx/tensor_pager.h and csrc/mm/pager.h for the contract.")
+      .def("__init__",
+           [](TensorPager* self, std::uint64_t budget_bytes, const std::string& policy,
+              int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io) {
+             PagerConfig c;
+             c.budget_bytes = budget_bytes;
+             c.policy = policy_from_string(policy);
+             c.readahead_pages = readahead;
+             c.io_threads = io_threads;
+             c.io_chunk_bytes = io_chunk_bytes;
+             c.direct_io = direct_io;
+             new (self) TensorPager(c);
+           },
+           "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2,
+           "io_threads"_a = 4, "io_chunk_bytes"_a = 8u << 20, "direct_io"_a = true)
+      .def("add_page_in_place",
+           [](TensorPager& tp, const std::string& name,
+              const std::vector<InPlaceTensor>& tensors, int priority) {
+             std::vector<FileTensor> ft;
+             for (auto& [tname, path, offset, nbytes, dtype, shape] : tensors) {
+               ft.push_back(FileTensor{{tname, dtype, mx::Shape(shape.begin(), shape.end())},
+                                       path, offset, nbytes});
+             }
+             return tp.add_page_in_place(name, ft, priority);
+           },
+           "name"_a, "tensors"_a, "priority"_a = 0,
+           "Registers a page read in place; tensors are (name, path, offset, nbytes, dtype, shape).")
+      .def("add_page_from_swap",
+           [](TensorPager& tp, const std::string& name, const std::string& swap_path,
+              std::uint64_t page_offset, const std::vector<SwapTensor>& tensors, int priority) {
+             std::vector<TensorSpec> specs;
+             for (auto& [tname, dtype, shape] : tensors) {
+               specs.push_back(TensorSpec{tname, dtype, mx::Shape(shape.begin(), shape.end())});
+             }
+             return tp.add_page_from_swap(name, swap_path, page_offset, specs, priority);
+           },
+           "name"_a, "swap_path"_a, "page_offset"_a, "tensors"_a, "priority"_a = 0,
+           "Registers a page written by SwapWriter.write_page; tensors are (name, dtype, shape).")
+      .def("acquire",
+           [](TensorPager& tp, nb::handle page) {
+             PageId id = page_id(tp, page);
+             NamedArrays arrays;
+             {
+               nb::gil_scoped_release unlocked;
+               arrays = tp.acquire(id);
+             }
+             nb::dict d;
+             for (auto& [name, a] : arrays) {
+               d[nb::str(name.c_str())] = nb::cast(std::move(a));
+             }
+             return d;
+           },
+           "page"_a, "The page's tensors as {name: mx.array}; reads the page if needed.")
+      .def("release",
+           [](TensorPager& tp, nb::handle page) {
+             PageId id = page_id(tp, page);
+             nb::gil_scoped_release unlocked;
+             tp.release(id);
+           }, "page"_a)
+      .def("pin",
+           [](TensorPager& tp, nb::handle page) {
+             PageId id = page_id(tp, page);
+             nb::gil_scoped_release unlocked;
+             tp.pager().pin(id);
+           }, "page"_a)
+      .def("unpin", [](TensorPager& tp, nb::handle page) { tp.pager().unpin(page_id(tp, page)); }, "page"_a)
+      .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
+      .def("set_schedule",
+           [](TensorPager& tp, const std::vector<PageId>& order, bool repeat) {
+             tp.pager().set_schedule(order, repeat);
+           },
+           "order"_a, "repeat"_a = true)
+      .def("set_budget", [](TensorPager& tp, std::uint64_t b) { return tp.pager().set_budget(b); }, "bytes"_a)
+      .def("set_readahead", [](TensorPager& tp, int n) { return tp.pager().set_readahead(n); }, "pages"_a)
+      .def("set_policy",
+           [](TensorPager& tp, const std::string& p) {
+             return std::string(to_string(tp.pager().set_policy(policy_from_string(p))));
+           }, "policy"_a)
+      .def_prop_ro("budget", [](const TensorPager& tp) { return tp.pager().budget(); })
+      .def_prop_ro("num_pages", [](const TensorPager& tp) { return tp.pager().num_pages(); })
+      .def("lookup", [](const TensorPager& tp, const std::string& n) { return tp.pager().lookup(n); }, "name"_a)
+      .def("page_name", [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).name; }, "page"_a)
+      .def("page_bytes",
+           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; }, "page"_a,
+           "Bytes of the page's frame in memory.")
+      .def("page_read_bytes",
+           [](const TensorPager& tp, PageId id) {
+             std::uint64_t n = 0;
+             for (auto& x : tp.pager().spec(id).extents) n += x.length;
+             return n;
+           }, "page"_a, "Bytes one read of the page transfers.")
+      .def("state", [](const TensorPager& tp, PageId id) { return std::string(to_string(tp.pager().state(id))); }, "page"_a)
+      .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); })
+      .def("reset_peak", [](TensorPager& tp) { tp.pager().reset_peak(); });
+}
