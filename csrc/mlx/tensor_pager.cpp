@@ -1,6 +1,7 @@
 // tensor_pager.cpp: pages of mx::arrays over the MLX-free pager.
 #include "mlx/tensor_pager.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <stdexcept>
 
@@ -58,7 +59,14 @@ PageId TensorPager::add_page_in_place(
         t.spec.name, f, t.offset, t.nbytes,
         static_cast<std::uint32_t>(mx::size_of(t.spec.dtype))});
   }
-  PagePlan plan = plan_in_place(sources, file_sizes);
+  // Read through gaps (other pages' bytes) only when they are small next to
+  // the page itself: at most 1/8 of it, and at most 1 MiB.
+  std::uint64_t page_bytes = 0;
+  for (const TensorSource& t : sources) {
+    page_bytes += t.nbytes;
+  }
+  std::uint64_t max_gap = std::min<std::uint64_t>(1u << 20, page_bytes / 8);
+  PagePlan plan = plan_in_place(sources, file_sizes, max_gap);
   if (!plan.ok) {
     throw std::invalid_argument(
         "[TensorPager] page '" + name + "' cannot be read in place: " +

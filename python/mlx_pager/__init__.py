@@ -8,5 +8,6 @@ state, embeddings and the LM head stay resident.
 import mlx.core  # noqa: F401  (registers mx.array's nanobind casters first)
 
 from ._core import Pager, SwapWriter, read_safetensors_index  # noqa: F401
+from .trainer import PagedTrainer  # noqa: F401
 
 __version__ = "0.1.0"

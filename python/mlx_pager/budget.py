@@ -1,0 +1,156 @@
+"""The memory budget: parsing it, and splitting it between what must stay
+resident and the pages.
+
+The budget covers the whole process (what a cgroup or the OS would charge):
+
+    budget = process baseline (Python, libraries, tokenizer, data)
+           + resident set   (pinned page: embeddings, final norm, LM head)
+           + trainable state (adapters, their gradients, optimizer state)
+           + activations    (block checkpoints, one block's forward+backward
+                              working set, one chunk of head logits)
+           + slack          (MLX's buffer cache, allocator rounding)
+           + page budget    (block pages resident or in flight; at least one)
+
+The page budget is what is left; it must hold the largest block's page.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
+_FORMAT = "a number and a unit with no space, e.g. 12GB, 512MB or 1.5GiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+
+
+class BudgetError(ValueError):
+    """A memory budget that cannot be used; the message says what would."""
+
+
+def parse_size(text, what: str = "--memory-budget") -> int:
+    """Bytes in `text` ("12GB", "512MiB", "1.5GB" or a plain byte count).
+
+    Raises BudgetError naming the input and the expected form for anything
+    else, including "12 GB", "12gb", "0", "-1" and "lots"."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise BudgetError(f"{what} must be positive, got {text}")
+        return text
+    s = str(text)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", s)
+    if m is None:
+        hint = ""
+        m2 = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", s)
+        if m2 and m2.group(1).startswith("-"):
+            hint = " A budget must be positive."
+        elif m2:
+            unit = _canonical_unit(m2.group(2))
+            if unit:
+                hint = f" Did you mean {m2.group(1)}{unit}?"
+        raise BudgetError(f"invalid {what} '{s}': write {_FORMAT}.{hint}")
+    number, unit = m.group(1), m.group(2) or "B"
+    if unit not in _UNITS:
+        canon = _canonical_unit(unit)
+        hint = f" Did you mean {number}{canon}? (units are case-sensitive)" if canon else ""
+        raise BudgetError(f"invalid {what} '{s}': unknown unit '{unit}'; write {_FORMAT}.{hint}")
+    value = int(float(number) * _UNITS[unit])
+    if value <= 0:
+        raise BudgetError(f"invalid {what} '{s}': it must be more than zero bytes")
+    return value
+
+
+def _canonical_unit(unit: str):
+    for u in _UNITS:
+        if u.lower() == unit.lower() or u.lower() == unit.lower() + "b":
+            return u
+    return None
+
+
+def format_size(n: float) -> str:
+    """Decimal units, as budgets are usually written: 1.23GB, 456MB."""
+    n = float(n)
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{int(n)}B"
+
+
+@dataclass
+class MemoryPlan:
+    budget: int
+    baseline: int
+    resident: int
+    trainable: int
+    activations: int
+    slack: int
+    max_page: int
+
+    @property
+    def fixed(self) -> int:
+        """Everything but the pages."""
+        return self.baseline + self.resident + self.trainable + self.activations + self.slack
+
+    @property
+    def page_budget(self) -> int:
+        return self.budget - self.fixed
+
+    @property
+    def minimum(self) -> int:
+        """The smallest budget that holds one block page besides the rest."""
+        return self.fixed + self.max_page
+
+    def breakdown(self) -> str:
+        return (
+            f"one block page {format_size(self.max_page)} + resident set "
+            f"(embeddings, norm, head) {format_size(self.resident)} + adapters and "
+            f"optimizer state {format_size(self.trainable)} + activations "
+            f"{format_size(self.activations)} + process {format_size(self.baseline)} "
+            f"+ slack {format_size(self.slack)}"
+        )
+
+    def check(self) -> None:
+        """Raises BudgetError naming the minimum when the budget cannot hold
+        one block page besides everything else."""
+        if self.page_budget < self.max_page:
+            raise BudgetError(
+                f"--memory-budget {format_size(self.budget)} is too small for this "
+                f"model and batch: it needs at least {format_size(self.minimum)} "
+                f"({self.breakdown()}). Raise it to {format_size(self.minimum * 1.05)} "
+                "or more, or lower --batch-size / --max-seq-length."
+            )
+
+
+def estimate_activations(
+    config: dict,
+    batch_size: int,
+    seq_len: int,
+    micro_batches: int,
+    trained_blocks: int,
+    act_itemsize: int,
+    head_chunk_bytes: int,
+    largest_weight_elems: int,
+) -> int:
+    """A conservative estimate of activation memory for one step (bytes)."""
+    d = int(config.get("hidden_size", 4096))
+    f = int(config.get("intermediate_size", 4 * d))
+    heads = int(config.get("num_attention_heads", 32))
+    bt = batch_size * seq_len
+    checkpoints = micro_batches * (trained_blocks + 2) * bt * d * act_itemsize
+    # One block's forward + vector-Jacobian product, in float32 at worst:
+    # ~16 hidden-sized and ~6 MLP-sized temporaries, attention scores and
+    # their gradient, and an unquantized (f32) copy of the largest weight
+    # for backends that upcast or dequantize.
+    block = bt * (16 * d + 6 * f) * 4 + 3 * batch_size * heads * seq_len * seq_len * 4
+    weights = 2 * largest_weight_elems * 4
+    head = 4 * head_chunk_bytes
+    return checkpoints + block + weights + head

@@ -1,0 +1,81 @@
+"""The memory governor: keeps the process under its budget while it trains.
+
+The plan (budget.py) is an estimate; the governor watches what the process
+really uses (resident set size, which is what a cgroup or the OS charges)
+after every block, and degrades instead of letting the process be killed:
+
+  1. free MLX's buffer cache (memory MLX keeps for reuse);
+  2. shrink the page budget: evicts pages nobody holds, and readahead,
+     bounded by the page budget, reads less ahead;
+  3. if even one block page no longer fits, stop with an error that says how
+     much memory the run needs.
+
+It also caps MLX's own buffer cache and memory limit at the start.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List
+
+import mlx.core as mx
+
+from .budget import BudgetError, MemoryPlan, format_size
+
+
+def process_rss() -> int:
+    """Resident set size of this process, in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+@dataclass
+class Governor:
+    plan: MemoryPlan
+    pager: object  # mlx_pager.Pager
+    pinned_bytes: int  # charged to the pager outside the page budget
+    margin: int = 0
+    events: List[str] = field(default_factory=list)
+    peak_rss: int = 0
+
+    def __post_init__(self):
+        if self.margin == 0:
+            self.margin = max(16 << 20, self.plan.budget // 50)
+        # MLX's cache of freed buffers: room to recycle a page frame or two.
+        mx.set_cache_limit(int(min(self.plan.slack, 2 * self.plan.max_page)))
+        mx.set_memory_limit(int(self.plan.budget))
+        self.pager.set_budget(int(self.pinned_bytes + self.plan.page_budget))
+
+    def check(self) -> None:
+        """Call between blocks. Degrades when the process is near its budget."""
+        rss = process_rss()
+        self.peak_rss = max(self.peak_rss, rss)
+        limit = self.plan.budget - self.margin
+        if rss <= limit:
+            return
+        mx.clear_cache()
+        rss = process_rss()
+        if rss <= limit:
+            self.events.append(f"cleared MLX cache at {format_size(rss)}")
+            return
+        over = rss - limit
+        page_budget = self.pager.budget - self.pinned_bytes
+        new = page_budget - over
+        if new < self.plan.max_page:
+            raise BudgetError(
+                f"the process uses {format_size(rss)}, over its --memory-budget of "
+                f"{format_size(self.plan.budget)}, and one block page "
+                f"({format_size(self.plan.max_page)}) no longer fits beside it. "
+                f"Raise --memory-budget to at least {format_size(rss + self.plan.max_page)}, "
+                "or lower --batch-size / --max-seq-length."
+            )
+        self.pager.set_budget(int(self.pinned_bytes + new))
+        self.events.append(
+            f"process at {format_size(rss)}: page budget {format_size(page_budget)} -> {format_size(new)}"
+        )

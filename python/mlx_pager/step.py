@@ -1,0 +1,366 @@
+"""One paged training step: the math of mlx-lm's LoRA step, block by block.
+
+mlx-lm computes ``nn.value_and_grad(model, default_loss)`` over the whole
+model at once, so every block's weights are in memory together. Here the
+same loss and gradients are computed with one block's weights in memory at a
+time (llm.c style: forward, then backward walking the forward in reverse):
+
+  plan       run the model's own ``__call__`` with every block replaced by a
+             stand-in that records its arguments (mask, cache, ...) and
+             passes its input through: gives the embedding output h0 and each
+             block's call arguments, for any architecture that calls its
+             blocks in sequence (``model.layers``). Nothing heavy is computed:
+             the rest of that graph is never evaluated.
+  forward    for each block i: page it in, h[i+1] = block(h[i]), evaluate,
+             keep h[i] as a checkpoint if block i is trained, page it out.
+  head       the loss from h[L]: the model's ``__call__`` again, the last
+             block replaced by a stand-in returning h[L], so the final norm,
+             LM head and any softcapping are the model's own. The loss and
+             dL/dh[L] are computed over slices of the sequence so that the
+             full-vocabulary logits of the whole batch never exist at once;
+             per-token losses are summed exactly as ``default_loss`` sums them.
+  backward   for each trained block i, from the last: page it in, recompute
+             block(h[i]) and take its vector-Jacobian product for h[i] and
+             the block's adapter parameters, page it out. Blocks below the
+             first trained one are never revisited.
+
+With several micro-batches (gradient accumulation) every micro-batch passes
+through a block while it is in memory (layer-major order), so a block is
+read once per sweep per optimizer step, not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+
+class _Pass:
+    """Stands in for a block: passes its input through untouched."""
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+    def __getattr__(self, name):  # e.g. layer.use_sliding, layer.is_linear
+        return getattr(self._layer, name)
+
+
+class _Record(_Pass):
+    """Stands in for block `index`: records how it was called, passes x on."""
+
+    def __init__(self, layer, index: int, calls: list):
+        super().__init__(layer)
+        self._index, self._calls = index, calls
+
+    def __call__(self, x, *args, **kwargs):
+        self._calls[self._index] = (x, args, kwargs)
+        return x
+
+
+class _Emit(_Pass):
+    """Stands in for the last block: returns the given hidden state."""
+
+    def __init__(self, layer, h):
+        super().__init__(layer)
+        self._h = h
+
+    def __call__(self, x, *args, **kwargs):
+        return self._h
+
+
+@contextmanager
+def stand_ins(model: nn.Module, make):
+    """Replaces each block of ``model.layers`` by ``make(i, layer)`` for the
+    duration of the block, in place (the model's inner list is the same
+    object), and always puts the real blocks back."""
+    layers = model.layers
+    real = list(layers)
+    try:
+        layers[:] = [make(i, l) for i, l in enumerate(real)]
+        yield
+    finally:
+        layers[:] = real
+
+
+class _KeyedDropout(nn.Module):
+    """nn.Dropout with an explicit key, so that the backward pass's recompute
+    draws the same mask as the forward pass did."""
+
+    def __init__(self, p_keep: float, key: mx.array):
+        super().__init__()
+        self._p_keep, self._key = p_keep, key
+
+    def __call__(self, x):
+        mask = mx.random.bernoulli(self._p_keep, x.shape, key=self._key)
+        return (mask * x) * (1 / self._p_keep)
+
+
+@contextmanager
+def keyed_dropout(layer: nn.Module, key: Optional[mx.array]):
+    """Within the block, replaces every active nn.Dropout (p > 0, training) by
+    a _KeyedDropout drawing from `key`, and puts them back afterwards. A block
+    without active dropout (mlx-lm's default, dropout 0.0) is left alone, so
+    its math is exactly mlx-lm's."""
+    found = []
+    for name, m in layer.named_modules():
+        if isinstance(m, nn.Dropout) and m.training and m._p_1 < 1:
+            found.append((name, m))
+    if not found or key is None:
+        yield
+        return
+    keys = mx.random.split(key, len(found))
+    modules = dict(layer.named_modules())
+    try:
+        for (name, m), k in zip(found, keys):
+            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            modules[parent][attr] = _KeyedDropout(m._p_1, k)
+        yield
+    finally:
+        for name, m in found:
+            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            modules[parent][attr] = m
+
+
+@dataclass
+class MicroBatch:
+    inputs: mx.array  # (B, T) token ids, batch[:, :-1]
+    targets: mx.array  # (B, T), batch[:, 1:]
+    mask: mx.array  # (B, T) bool, as default_loss builds it
+    ntoks: mx.array  # scalar int32, mask.sum()
+    h0: mx.array = None
+    calls: list = field(default_factory=list)  # (args, kwargs) per block
+
+    @staticmethod
+    def from_batch(batch: mx.array, lengths: mx.array) -> "MicroBatch":
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        steps = mx.arange(1, targets.shape[1] + 1)
+        mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+        return MicroBatch(inputs, targets, mask, mask.sum())
+
+
+def plan(model: nn.Module, mb: MicroBatch) -> None:
+    """Fills mb.h0 and mb.calls by running the model with recording stand-ins."""
+    calls = [None] * len(model.layers)
+    with stand_ins(model, lambda i, l: _Record(l, i, calls)):
+        model(mb.inputs)  # the logits of this pass are never evaluated
+    if any(c is None for c in calls):
+        missing = [i for i, c in enumerate(calls) if c is None]
+        raise NotImplementedError(
+            f"the model did not call blocks {missing} of model.layers in its "
+            "forward pass; mlx-pager pages models that call their blocks in order"
+        )
+    mb.h0 = calls[0][0]
+    mb.calls = [(args, kwargs) for _, args, kwargs in calls]
+    mx.eval(mb.h0, [v for _, v in tree_flatten(mb.calls) if isinstance(v, mx.array)])
+
+
+def run_block(layer: nn.Module, h: mx.array, call) -> mx.array:
+    args, kwargs = call
+    out = layer(h, *args, **kwargs)
+    if not isinstance(out, mx.array):
+        raise NotImplementedError(
+            f"block {type(layer).__name__} returned {type(out).__name__}; "
+            "mlx-pager pages blocks that return the hidden state"
+        )
+    return out
+
+
+def head_chunks(T: int, B: int, vocab: int, chunk_bytes: int) -> List[Tuple[int, int]]:
+    """Token ranges [t0, t1) so that one chunk's float32 logits for the batch
+    stay under `chunk_bytes`."""
+    per_token = max(1, B * vocab * 4)
+    step = max(1, min(T, chunk_bytes // per_token))
+    return [(t, min(T, t + step)) for t in range(0, T, step)]
+
+
+def head_loss_and_grad(
+    model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int
+) -> Tuple[mx.array, mx.array]:
+    """default_loss's value for this micro-batch and its gradient w.r.t. h
+    (the last block's output), computed over token chunks."""
+    ce_parts, grad_parts = [], []
+    for t0, t1 in head_chunks(h.shape[1], h.shape[0], _vocab_size(model), chunk_bytes):
+        inputs = mb.inputs[:, t0:t1]
+        targets, mask = mb.targets[:, t0:t1], mb.mask[:, t0:t1]
+
+        def chunk_loss(hc):
+            ce = _head_ce(model, inputs, targets, mask, hc)
+            return ce.astype(mx.float32).sum() / mb.ntoks, ce
+
+        (_, ce), g = mx.value_and_grad(chunk_loss)(h[:, t0:t1])
+        mx.eval(ce, g)
+        ce_parts.append(ce)
+        grad_parts.append(g)
+    ce = ce_parts[0] if len(ce_parts) == 1 else mx.concatenate(ce_parts, axis=1)
+    grad = grad_parts[0] if len(grad_parts) == 1 else mx.concatenate(grad_parts, axis=1)
+    loss = ce.astype(mx.float32).sum() / mb.ntoks
+    return loss, grad
+
+
+def _head_ce(model, inputs, targets, mask, h):
+    """Masked per-token cross entropy of the model's head applied to h."""
+    last = len(model.layers) - 1
+    with stand_ins(model, lambda i, l: _Emit(l, h) if i == last else _Pass(l)):
+        logits = model(inputs)
+    return nn.losses.cross_entropy(logits, targets) * mask
+
+
+def _vocab_size(model: nn.Module) -> int:
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    if v is None:
+        v = next(
+            (m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))),
+            32000,
+        )
+    return int(v)
+
+
+def block_vjp(
+    layer: nn.Module, h: mx.array, call, cotangent: mx.array
+) -> Tuple[mx.array, Dict[str, mx.array]]:
+    """Recomputes the block at h and returns (dL/dh, {adapter name: dL/dparam})
+    for the cotangent dL/d(block output)."""
+    flat = tree_flatten(layer.trainable_parameters())
+    names = [k for k, _ in flat]
+    params = [v for _, v in flat]
+
+    def f(x, *p):
+        layer.update(tree_unflatten(list(zip(names, p))))
+        return [run_block(layer, x, call)]
+
+    try:
+        _, grads = mx.vjp(f, [h, *params], [cotangent])
+    finally:
+        layer.update(tree_unflatten(list(zip(names, params))))  # drop tracers
+    return grads[0], dict(zip(names, grads[1:]))
+
+
+def first_trained_block(model: nn.Module) -> int:
+    """Index of the lowest block with trainable parameters (len(layers) if none)."""
+    for i, layer in enumerate(model.layers):
+        if tree_flatten(layer.trainable_parameters()):
+            return i
+    return len(model.layers)
+
+
+def step_schedule(num_blocks: int, first_trained: int) -> List[int]:
+    """The block access order of one training step: forward, then backward
+    down to the first trained block."""
+    return list(range(num_blocks)) + list(range(num_blocks - 1, first_trained - 1, -1))
+
+
+def paged_value_and_grad(
+    model: nn.Module,
+    weights,
+    micro_batches: Sequence[MicroBatch],
+    head_chunk_bytes: int = 64 << 20,
+    on_block=None,
+) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
+    """Losses and token counts per micro-batch, and the SUM over micro-batches
+    of the adapter gradients, as a flat {model parameter path: grad} dict.
+
+    `weights` is a PagedWeights; `on_block(phase, i)` is called after each
+    block (for the memory governor and progress reports).
+    """
+    L = len(model.layers)
+    first = first_trained_block(model)
+    prefixes = weights.block_prefixes
+    for mb in micro_batches:
+        plan(model, mb)
+
+    # Forward, layer-major. Active dropout draws from per-(block, micro-batch)
+    # keys so that the backward pass's recompute sees the same masks.
+    step_key = mx.random.key(int(mx.random.randint(0, 2**31 - 1, ()).item()))
+    keys = mx.random.split(step_key, L * len(micro_batches)).reshape(L, len(micro_batches), -1)
+    hs = [mb.h0 for mb in micro_batches]
+    saved: Dict[int, List[mx.array]] = {}
+    for i in range(L):
+        weights.bind(i)
+        try:
+            if i >= first:
+                saved[i] = hs
+            layer = model.layers[i]
+            out = []
+            for m, (h, mb) in enumerate(zip(hs, micro_batches)):
+                with keyed_dropout(layer, keys[i, m]):
+                    out.append(run_block(layer, h, mb.calls[i]))
+            hs = out
+            mx.eval(hs)
+        finally:
+            weights.unbind(i)
+        if on_block is not None:
+            on_block("forward", i)
+
+    losses, ntoks, cots = [], [], []
+    for h, mb in zip(hs, micro_batches):
+        loss, g = head_loss_and_grad(model, mb, h, head_chunk_bytes)
+        mx.eval(loss, g)
+        losses.append(loss)
+        ntoks.append(mb.ntoks)
+        cots.append(g)
+    del hs
+
+    grads: Dict[str, mx.array] = {}
+    for i in range(L - 1, first - 1, -1):
+        weights.bind(i)
+        try:
+            layer = model.layers[i]
+            new_cots = []
+            for m, (h, mb) in enumerate(zip(saved.pop(i), micro_batches)):
+                with keyed_dropout(layer, keys[i, m]):
+                    g_h, g_p = block_vjp(layer, h, mb.calls[i], cots[m])
+                new_cots.append(g_h)
+                for name, g in g_p.items():
+                    full = f"{prefixes[i]}.{name}"
+                    grads[full] = g if full not in grads else grads[full] + g
+            cots = new_cots
+            mx.eval(cots, [grads[k] for k in grads if k.startswith(prefixes[i] + ".")])
+        finally:
+            weights.unbind(i)
+        if on_block is not None:
+            on_block("backward", i)
+    return losses, ntoks, grads
+
+
+def paged_loss(model, weights, micro_batches: Sequence[MicroBatch], head_chunk_bytes=64 << 20, on_block=None):
+    """Forward only (evaluation): losses and token counts per micro-batch."""
+    L = len(model.layers)
+    for mb in micro_batches:
+        plan(model, mb)
+    hs = [mb.h0 for mb in micro_batches]
+    for i in range(L):
+        weights.bind(i)
+        try:
+            layer = model.layers[i]
+            hs = [run_block(layer, h, mb.calls[i]) for h, mb in zip(hs, micro_batches)]
+            mx.eval(hs)
+        finally:
+            weights.unbind(i)
+        if on_block is not None:
+            on_block("eval", i)
+    out = []
+    for h, mb in zip(hs, micro_batches):
+        loss, _ = _head_loss_only(model, mb, h, head_chunk_bytes)
+        out.append((loss, mb.ntoks))
+    return out
+
+
+def _head_loss_only(model, mb, h, chunk_bytes):
+    ce_parts = []
+    for t0, t1 in head_chunks(h.shape[1], h.shape[0], _vocab_size(model), chunk_bytes):
+        ce = _head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
+        mx.eval(ce)
+        ce_parts.append(ce)
+    ce = ce_parts[0] if len(ce_parts) == 1 else mx.concatenate(ce_parts, axis=1)
+    loss = ce.astype(mx.float32).sum() / mb.ntoks
+    mx.eval(loss)
+    return loss, None

@@ -1,0 +1,303 @@
+"""The swap store: where a model's frozen weights live while they are paged.
+
+``PagedWeights`` takes an mlx-lm model loaded lazily (its weights are still
+unread ``Load`` arrays) and hands its frozen weights to the C++ pager:
+
+- one page per transformer block (``model.layers[i]``): the block's frozen
+  tensors, read and evicted together;
+- one pinned page, ``resident``: every frozen tensor outside the blocks
+  (embeddings, final norm, LM head), read once and locked in memory.
+
+A page is read in place from the model's safetensors files when every tensor
+of it is stored there as the model holds it (the usual case for mlx-lm
+models); otherwise (tensors transformed by ``sanitize``, or ``store="swap"``)
+it is evaluated once and written to a swap file in ``ssd_cache_dir``, laid
+out for one aligned read per page, and reused by later runs.
+
+After registration the model's frozen arrays are replaced by placeholders of
+the same shape and dtype that hold no memory; ``bind(i)`` puts the paged
+arrays of block i into the model, ``unbind(i)`` takes them out again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ._core import Pager, SwapWriter, read_safetensors_index, swap_page_bytes
+
+RESIDENT_PAGE = "resident"
+
+
+@dataclass
+class _Slot:
+    """Where one paged tensor goes in the model."""
+
+    name: str  # full parameter path, e.g. model.layers.3.mlp.up_proj.weight
+    module: nn.Module
+    key: str  # the module's entry, e.g. "weight"
+    placeholder: mx.array
+
+
+def placeholder(shape, dtype) -> mx.array:
+    """An array of the right shape and dtype that holds no memory (a lazy
+    broadcast of one zero), standing in for a weight that is on disk."""
+    return mx.broadcast_to(mx.zeros((), dtype=dtype), shape)
+
+
+def _block_prefixes(model: nn.Module) -> List[str]:
+    by_id = {id(m): name for name, m in model.named_modules()}
+    prefixes = []
+    for i, layer in enumerate(model.layers):
+        if id(layer) not in by_id:
+            raise ValueError(f"model.layers[{i}] is not a submodule of the model")
+        prefixes.append(by_id[id(layer)])
+    return prefixes
+
+
+def _safetensors_index(model_path: Path) -> Dict[str, Tuple[str, mx.Dtype, list, int, int]]:
+    files = sorted(model_path.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no model*.safetensors files in {model_path}: --model must be an "
+            "mlx-lm model directory (or a Hugging Face repo id)"
+        )
+    index = {}
+    for f in files:
+        tensors, _, _ = read_safetensors_index(str(f))
+        for name, (dtype, shape, offset, nbytes) in tensors.items():
+            index[name] = (str(f), dtype, shape, offset, nbytes)
+    return index
+
+
+class PagedWeights:
+    """A model's frozen weights, paged by a ``Pager`` (see module docstring).
+
+    Args:
+        model: an mlx-lm model loaded with ``lazy=True``, before LoRA layers
+            are added (LoRA wraps the same frozen modules, so bindings made
+            here stay valid afterwards).
+        model_path: the model's local directory.
+        budget_bytes: the pager's page budget (resident + in-flight pages).
+        ssd_cache_dir: where swap files go (only written when needed).
+        store: "auto" (in place where possible), "in_place" (fail otherwise),
+            or "swap" (always the swap file).
+        pager_options: passed to ``Pager`` (policy, readahead, io_threads,
+            io_chunk_bytes, direct_io).
+        progress: called as progress(done_bytes, total_bytes) while a swap
+            file is written.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_path,
+        budget_bytes: int,
+        ssd_cache_dir: Optional[str] = None,
+        store: str = "auto",
+        pager_options: Optional[dict] = None,
+        progress=None,
+    ):
+        if store not in ("auto", "in_place", "swap"):
+            raise ValueError(f"store must be 'auto', 'in_place' or 'swap', not '{store}'")
+        self.model = model
+        self.model_path = Path(model_path)
+        self.pager = Pager(budget_bytes, **(pager_options or {}))
+        self.slots: List[List[_Slot]] = []  # by page id
+        self.page_ids: List[int] = []  # page id of block i
+        self.store_kind: List[str] = []  # by page id: "in_place" or "swap"
+
+        modules = dict(model.named_modules())
+        params = dict(tree_flatten(model.parameters()))
+        trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
+        prefixes = _block_prefixes(model)
+        groups: List[Tuple[str, List[str]]] = []
+        claimed = set()
+        for i, prefix in enumerate(prefixes):
+            names = sorted(n for n in params if n.startswith(prefix + ".") and n not in trainable)
+            claimed.update(names)
+            groups.append((f"layers.{i}", names))
+        rest = sorted(n for n in params if n not in claimed and n not in trainable)
+        groups.append((RESIDENT_PAGE, rest))
+
+        index = _safetensors_index(self.model_path)
+
+        def stored_as_held(n):
+            if n not in index:
+                return False
+            _, dtype, shape, _, _ = index[n]
+            return dtype == params[n].dtype and list(shape) == list(params[n].shape)
+
+        to_swap = []
+        for page_name, names in groups:
+            if not names:
+                raise ValueError(f"page '{page_name}' has no frozen tensors")
+            in_place = store != "swap" and all(stored_as_held(n) for n in names)
+            if store == "in_place" and not in_place:
+                bad = [n for n in names if not stored_as_held(n)][:3]
+                raise ValueError(
+                    f"page '{page_name}' cannot be read in place: {bad} are not stored "
+                    "in the model's safetensors files as the model holds them; "
+                    "use store='auto' or 'swap'"
+                )
+            if in_place:
+                tensors = [
+                    (n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2]))
+                    for n in names
+                ]
+                pid = self.pager.add_page_in_place(page_name, tensors)
+                self._register(pid, names, modules, params, "in_place")
+            else:
+                to_swap.append((page_name, names))
+                self._register(None, names, modules, params, "swap")
+        if to_swap:
+            self._add_swap_pages(to_swap, params, ssd_cache_dir, progress)
+        self.block_prefixes = prefixes
+        self.page_ids = [self.pager.lookup(f"layers.{i}") for i in range(len(prefixes))]
+        self.resident_id = self.pager.lookup(RESIDENT_PAGE)
+
+        # Drop the model's own (lazy, unread) arrays: from here on only the
+        # pager brings weights in.
+        for slots in self.slots:
+            for s in slots:
+                s.module[s.key] = s.placeholder
+        self._bound: Dict[int, int] = {}
+
+    # ---------------------------------------------------------------- setup --
+    def _register(self, pid, names, modules, params, kind):
+        slots = []
+        for n in names:
+            mod_path, key = n.rsplit(".", 1) if "." in n else ("", n)
+            module = modules[mod_path]
+            a = params[n]
+            slots.append(_Slot(n, module, key, placeholder(a.shape, a.dtype)))
+        if pid is None:
+            self._pending = getattr(self, "_pending", []) + [slots]
+        else:
+            assert pid == len(self.slots)
+            self.slots.append(slots)
+            self.store_kind.append(kind)
+
+    def _swap_key(self, to_swap, params) -> str:
+        h = hashlib.sha256()
+        for f in sorted(self.model_path.glob("model*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        for page_name, names in to_swap:
+            h.update(page_name.encode())
+            for n in names:
+                h.update(f"{n}:{params[n].dtype}:{params[n].shape}".encode())
+        return h.hexdigest()[:20]
+
+    def _add_swap_pages(self, to_swap, params, ssd_cache_dir, progress):
+        if ssd_cache_dir is None:
+            raise ValueError(
+                f"{len(to_swap)} pages must be written to a swap file, but no "
+                "ssd_cache_dir was given: pass ssd_cache_dir (--ssd-cache-dir)"
+            )
+        key = self._swap_key(to_swap, params)
+        d = Path(ssd_cache_dir) / key
+        d.mkdir(parents=True, exist_ok=True)
+        swap_path, manifest_path = d / "pages.swap", d / "manifest.json"
+        manifest = None
+        if manifest_path.exists() and swap_path.exists():
+            try:
+                manifest = json.loads(manifest_path.read_text())
+                if manifest.get("complete") is not True:
+                    manifest = None
+            except ValueError:
+                manifest = None
+        if manifest is None:
+            manifest = self._write_swap(swap_path, to_swap, params, progress)
+            tmp = manifest_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(manifest))
+            os.replace(tmp, manifest_path)
+        self.swap_path = swap_path
+        pending = self._pending
+        del self._pending
+        for (page_name, names), slots in zip(to_swap, pending):
+            offset = manifest["pages"][page_name]
+            specs = [(n, params[n].dtype, list(params[n].shape)) for n in names]
+            pid = self.pager.add_page_from_swap(page_name, str(swap_path), offset, specs)
+            assert pid == len(self.slots)
+            self.slots.append(slots)
+            self.store_kind.append("swap")
+
+    def _write_swap(self, swap_path, to_swap, params, progress):
+        total = sum(swap_page_bytes([params[n].nbytes for n in names]) for _, names in to_swap)
+        writer = SwapWriter(str(swap_path), total)
+        pages, done = {}, 0
+        for page_name, names in to_swap:
+            # Evaluated one page at a time: memory stays near one page.
+            arrays = [params[n] for n in names]
+            pages[page_name] = writer.write_page(arrays)
+            done += swap_page_bytes([a.nbytes for a in arrays])
+            del arrays
+            mx.clear_cache()
+            if progress is not None:
+                progress(done, total)
+        size = writer.finish()
+        return {"complete": True, "pages": pages, "bytes": size}
+
+    # -------------------------------------------------------------- binding --
+    @property
+    def num_blocks(self) -> int:
+        return len(self.page_ids)
+
+    def bind(self, block: int) -> None:
+        """Pages block `block` in and puts its arrays into the model."""
+        self._bind_page(self.page_ids[block])
+
+    def unbind(self, block: int) -> None:
+        """Takes block `block`'s arrays out of the model and releases its page."""
+        self._unbind_page(self.page_ids[block])
+
+    def _bind_page(self, pid: int) -> None:
+        n = self._bound.get(pid, 0)
+        if n == 0:
+            arrays = self.pager.acquire(pid)
+            for s in self.slots[pid]:
+                s.module[s.key] = arrays[s.name]
+        else:
+            self.pager.acquire(pid)  # count the use; the arrays are in place
+        self._bound[pid] = n + 1
+
+    def _unbind_page(self, pid: int) -> None:
+        n = self._bound.get(pid, 0)
+        if n == 0:
+            raise RuntimeError(f"page {self.pager.page_name(pid)} is not bound")
+        if n == 1:
+            for s in self.slots[pid]:
+                s.module[s.key] = s.placeholder
+        self._bound[pid] = n - 1
+        self.pager.release(pid)
+
+    def pin_resident(self) -> None:
+        """Reads the resident page (embeddings, norm, head), locks it in
+        memory and binds it for good."""
+        self.pager.pin(self.resident_id)
+        self._bind_page(self.resident_id)
+
+    # ------------------------------------------------------------ accounting --
+    def page_bytes(self, block: int) -> int:
+        return self.pager.page_bytes(self.page_ids[block])
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.pager.page_bytes(self.resident_id)
+
+    @property
+    def paged_bytes(self) -> int:
+        return sum(self.page_bytes(i) for i in range(self.num_blocks))
+
+    @property
+    def max_page_bytes(self) -> int:
+        return max(self.page_bytes(i) for i in range(self.num_blocks))
