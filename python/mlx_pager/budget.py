@@ -152,5 +152,6 @@ def estimate_activations(
     # for backends that upcast or dequantize.
     block = bt * (16 * d + 6 * f) * 4 + 3 * batch_size * heads * seq_len * seq_len * 4
     weights = 2 * largest_weight_elems * 4
-    head = 4 * head_chunk_bytes
+    vocab = int(config.get("vocab_size", 32000))
+    head = 4 * min(head_chunk_bytes, bt * vocab * 4)  # logits, softmax, grads
     return checkpoints + block + weights + head

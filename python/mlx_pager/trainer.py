@@ -214,6 +214,16 @@ def _trainable_state_bytes(model, args) -> int:
     return n * (3 + moments)
 
 
+def _longest_batch(args, datasets) -> int:
+    """The longest padded batch iterate_batches can make from `datasets`
+    (it pads to 1 + a multiple of 32, capped at max_seq_length)."""
+    longest = 1
+    for d in datasets:
+        if d is not None:
+            longest = max([longest] + [d.itemlen(i) for i in range(len(d))])
+    return min(args.max_seq_length, 1 + 32 * ((longest + 31) // 32))
+
+
 def _largest_weight_elems(weights: PagedWeights) -> int:
     best = 0
     for slots in weights.slots:
@@ -297,13 +307,16 @@ def run(args) -> TrainResult:
         plan_budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
     except BudgetError as e:
         budget_error = e
+    train_cached = CacheDataset(train_set)
+    valid_cached = CacheDataset(valid_set) if len(valid_set) else None
+    seq_len = _longest_batch(args, [train_cached, valid_cached])
     plan = MemoryPlan(
         budget=plan_budget,
         baseline=process_rss(),
         resident=weights.resident_bytes + IO_ALIGN,
         trainable=_trainable_state_bytes(model, args),
         activations=estimate_activations(
-            config, args.batch_size, args.max_seq_length, args.grad_accumulation_steps,
+            config, args.batch_size, seq_len, args.grad_accumulation_steps,
             len(model.layers) - first, act_itemsize, args.head_chunk_bytes,
             _largest_weight_elems(weights),
         ),
@@ -341,8 +354,7 @@ def run(args) -> TrainResult:
     save_config(cfg, adapter_path / "adapter_config.json")
 
     optimizer = _build_optimizer(args)
-    _train(r, model, weights, gov, optimizer, CacheDataset(train_set),
-           CacheDataset(valid_set) if len(valid_set) else None, adapter_file)
+    _train(r, model, weights, gov, optimizer, train_cached, valid_cached, adapter_file)
 
     if args.test and len(test_set):
         r.result.test_loss = _evaluate(r, model, weights, CacheDataset(test_set), args.test_batches)
@@ -372,8 +384,10 @@ def _evaluate(r: _Run, model, weights: PagedWeights, dataset, num_batches: int) 
     pager = weights.pager
     pager.set_schedule([weights.page_ids[i] for i in range(len(model.layers))])
     all_losses, ntokens = mx.array(0.0), mx.array(0)
-    # Layer-major in groups, so activations stay within the plan.
-    group = max(1, args.grad_accumulation_steps)
+    # Layer-major in groups: one sweep over the blocks serves a whole group.
+    # Forward-only keeps no checkpoints, so a group of 8 fits the plan made
+    # for training's grad_accumulation_steps micro-batches.
+    group = max(8, args.grad_accumulation_steps)
     for g in range(0, len(batches), group):
         for loss, toks in S.paged_loss(model, weights, batches[g:g + group], args.head_chunk_bytes,
                                        on_block=lambda *_: r.gov_check()):

@@ -1,0 +1,37 @@
+"""Shared fixtures: small generated models (made once per session) and data."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mlx_pager import modelgen
+
+SAMPLE = modelgen.SAMPLE_DATA
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """models(arch, bits, **spec) -> path of a generated model (cached)."""
+    root = tmp_path_factory.mktemp("models")
+
+    def make(arch="llama", bits=4, **kw):
+        spec = modelgen.ModelSpec(arch=arch, bits=bits, **kw)
+        return modelgen.generate_model(root / f"{arch}-{bits}-{spec.key()}", spec)
+
+    return make
+
+
+@pytest.fixture
+def train_only_data(tmp_path):
+    """The sample data without valid/test sets (no evaluation passes)."""
+    d = tmp_path / "data"
+    d.mkdir()
+    shutil.copy(SAMPLE / "train.jsonl", d / "train.jsonl")
+    return d
+
+
+def write_jsonl(path: Path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -1,0 +1,147 @@
+"""The C++ pager through its bindings: mx.array across the boundary, exact
+bytes for every dtype, the budget against Belady, errors naming the page."""
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_pager import Pager, SwapWriter, read_safetensors_index
+from mlx_pager._core import swap_page_bytes
+
+
+def every_dtype():
+    mx.random.seed(5)
+    r = mx.random.normal((6, 40))
+    arrays = {
+        "f32": r, "f16": r.astype(mx.float16), "bf16": r.astype(mx.bfloat16),
+        "u8": (mx.abs(r) * 40).astype(mx.uint8), "i8": (r * 40).astype(mx.int8),
+        "u16": (mx.abs(r) * 900).astype(mx.uint16), "i16": (r * 900).astype(mx.int16),
+        "u32": (mx.abs(r) * 1e6).astype(mx.uint32), "i32": (r * 1e6).astype(mx.int32),
+        "u64": (mx.abs(r) * 1e9).astype(mx.uint64), "i64": (r * 1e9).astype(mx.int64),
+        "bool": r > 0, "c64": r.astype(mx.complex64), "scalar": mx.array(3.5),
+    }
+    w = mx.random.normal((32, 128)).astype(mx.bfloat16)
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    arrays.update({"q.weight": q, "q.scales": s, "q.biases": b})
+    mx.eval(arrays)
+    return arrays
+
+
+def same_bytes(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    flat = lambda x: x.reshape(-1).view(mx.uint8)
+    return np.array_equal(np.array(flat(a)), np.array(flat(b)))
+
+
+def in_place_page(pager, name, path):
+    tensors, _, _ = read_safetensors_index(str(path))
+    spec = [(k, str(path), off, n, dt, shape) for k, (dt, shape, off, n) in tensors.items()]
+    return pager.add_page_in_place(name, spec)
+
+
+def test_mx_array_crosses_the_boundary_both_ways(tmp_path):
+    arrays = every_dtype()
+    w = SwapWriter(str(tmp_path / "p.swap"), swap_page_bytes([a.nbytes for a in arrays.values()]))
+    off = w.write_page(list(arrays.values()))  # mx.array into C++
+    w.finish()
+    p = Pager(1 << 24)
+    pid = p.add_page_from_swap("p", str(tmp_path / "p.swap"), off,
+                               [(k, a.dtype, list(a.shape)) for k, a in arrays.items()])
+    got = p.acquire(pid)  # mx.array out of C++
+    assert all(isinstance(v, mx.array) for v in got.values())
+    for k, a in arrays.items():
+        assert same_bytes(got[k], a), k
+    p.release(pid)
+
+
+def test_every_dtype_in_place_equals_mx_load(tmp_path):
+    arrays = every_dtype()
+    path = tmp_path / "all.safetensors"
+    mx.save_safetensors(str(path), arrays)  # MLX's writer: data at odd offsets
+    p = Pager(1 << 24, readahead=0)
+    pid = in_place_page(p, "all", path)
+    got = p.acquire(pid)
+    loaded = mx.load(str(path))
+    for k in arrays:
+        assert same_bytes(got[k], loaded[k]), k
+    x = mx.random.normal((3, 128)).astype(mx.bfloat16)
+    y1 = mx.quantized_matmul(x, got["q.weight"], got["q.scales"], got["q.biases"], group_size=64, bits=4)
+    y2 = mx.quantized_matmul(x, loaded["q.weight"], loaded["q.scales"], loaded["q.biases"], group_size=64, bits=4)
+    assert mx.array_equal(y1, y2).item()
+    assert mx.array_equal(got["bf16"] @ got["f32"].T.astype(mx.bfloat16),
+                          loaded["bf16"] @ loaded["f32"].T.astype(mx.bfloat16)).item()
+    p.release(pid)
+    assert p.stats()["direct_files"] == 1
+
+
+def belady_loads(seq, k):
+    cache, loads = [], 0
+    for t, page in enumerate(seq):
+        if page in cache:
+            continue
+        loads += 1
+        if len(cache) == k:
+            def next_use(q):
+                return next((u for u in range(t + 1, len(seq)) if seq[u] == q), len(seq) + 1)
+            cache.remove(max(cache, key=next_use))
+        cache.append(page)
+    return loads
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("readahead", [0, 2])
+def test_budget_holds_and_optimal_reads_belady_minimum(tmp_path, k, readahead):
+    n = 8
+    blocks = {f"b{i}": mx.full((64, 256), float(i)) for i in range(n)}  # 64 KiB each
+    path = tmp_path / "blocks.safetensors"
+    mx.save_safetensors(str(path), blocks)
+    tensors, _, _ = read_safetensors_index(str(path))
+    p = Pager(1, readahead=readahead, policy="optimal")
+    ids = []
+    for i in range(n):
+        dt, shape, off, nb = tensors[f"b{i}"]
+        ids.append(p.add_page_in_place(f"p{i}", [(f"b{i}", str(path), off, nb, dt, shape)]))
+    footprint = max(p.page_bytes(i) for i in ids) + 4096
+    budget = k * footprint
+    p.set_budget(budget)
+    step = list(range(n)) + list(range(n - 1, -1, -1))
+    seq = step * 3
+    p.set_schedule(seq, repeat=False)
+    for i in seq:
+        arrays = p.acquire(ids[i])
+        assert arrays[f"b{i}"][0, 0].item() == float(i)
+        assert p.stats()["resident_bytes"] <= budget
+        del arrays
+        p.release(ids[i])
+    s = p.stats()
+    assert s["peak_resident_bytes"] <= budget
+    assert s["pages_read"] == belady_loads(seq, k)
+
+
+def test_unreadable_page_names_page_and_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    mx.save_safetensors(str(path), {"w": mx.ones((1024, 1024))})
+    p = Pager(1 << 24, readahead=0)
+    pid = in_place_page(p, "layers.7", path)
+    os.truncate(path, 1000)  # the file is cut short after the pager planned it
+    with pytest.raises(RuntimeError) as e:
+        p.acquire(pid)
+    assert "layers.7" in str(e.value) and "w.safetensors" in str(e.value)
+    assert p.stats()["read_errors"] == 1
+
+
+def test_bad_inputs_are_errors_not_crashes(tmp_path):
+    with pytest.raises(Exception, match="cannot open|No such file"):
+        read_safetensors_index(str(tmp_path / "missing.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(RuntimeError, match="junk.safetensors"):
+        read_safetensors_index(str(tmp_path / "junk.safetensors"))
+    with pytest.raises(ValueError, match="'lru' or 'optimal'"):
+        Pager(1 << 20, policy="fifo")
+    p = Pager(1 << 20)
+    with pytest.raises(IndexError):
+        p.acquire(3)
+    with pytest.raises(Exception, match="no page named"):
+        p.acquire("nope")

@@ -1,0 +1,40 @@
+"""Generated test models load through mlx-lm's real loading path."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from mlx_pager import modelgen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("bits", [4, None])
+def test_generated_model_loads_and_generates(models, arch, bits):
+    path = models(arch, bits)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == arch
+    assert ("quantization" in cfg) == (bits is not None)
+    model, tok = mlx_lm.load(str(path))
+    ids = tok.encode("The capital of Peru is Lima.")
+    assert len(ids) > 3
+    logits = model(mx.array([ids]))
+    assert logits.shape == (1, len(ids), cfg["vocab_size"])
+    text = mlx_lm.generate(model, tok, "The capital", max_tokens=4)
+    assert isinstance(text, str)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert len(chat) > 0
+
+
+def test_sharded_and_cached(tmp_path):
+    spec = modelgen.ModelSpec(num_hidden_layers=3, bits=None, shard_bytes=200_000)
+    path = modelgen.generate_model(tmp_path / "m", spec)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    mtime = shards[0].stat().st_mtime_ns
+    assert modelgen.generate_model(tmp_path / "m", spec) == path  # reused, not rewritten
+    assert shards[0].stat().st_mtime_ns == mtime
+    mlx_lm.load(str(path))

@@ -1,0 +1,165 @@
+"""PagedTrainer and `mlx-pager lora` against mlx_lm.lora itself."""
+
+import copy
+import json
+import subprocess
+import sys
+import types
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.lora import CONFIG_DEFAULTS
+from mlx_lm.lora import run as mlx_lm_run
+
+from mlx_pager import PagedTrainer
+from mlx_pager.budget import BudgetError
+from mlx_pager.trainer import DEFAULTS
+from mlx_pager.trainer import run as paged_run
+
+from conftest import SAMPLE, write_jsonl
+
+COMMON = dict(train=True, batch_size=2, num_layers=2, learning_rate=1e-3, steps_per_report=5,
+              steps_per_eval=1000, save_every=1000, seed=0, val_batches=2)
+
+
+def both(model, data, tmp_path, **kw):
+    """Trains with mlx_lm.lora and with mlx-pager on the same arguments;
+    returns (mlx-lm adapters, mlx-pager adapters, mlx-pager result)."""
+    a = dict(CONFIG_DEFAULTS, **COMMON, model=str(model), data=str(data), adapter_path=str(tmp_path / "ref"))
+    a.update(kw)
+    mlx_lm_run(types.SimpleNamespace(**copy.deepcopy(a)))
+    b = dict(DEFAULTS, **COMMON, model=str(model), data=str(data), adapter_path=str(tmp_path / "paged"),
+             memory_budget="4GB", ssd_cache_dir=str(tmp_path / "cache"), quiet=True)
+    b.update(kw)
+    res = paged_run(types.SimpleNamespace(**copy.deepcopy(b)))
+    return (mx.load(str(tmp_path / "ref" / "adapters.safetensors")),
+            mx.load(str(tmp_path / "paged" / "adapters.safetensors")), res)
+
+
+def assert_same_adapters(ref, got):
+    assert set(ref) == set(got)
+    for k in ref:
+        assert mx.array_equal(ref[k], got[k]).item(), f"{k}: max diff {mx.abs(ref[k] - got[k]).max()}"
+
+
+@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
+def test_twenty_steps_give_mlx_lm_adapters(models, train_only_data, tmp_path, arch, bits):
+    """20 optimizer steps, same seed and data: the adapters are identical
+    bit for bit to those mlx_lm.lora writes (its compiled step included)."""
+    ref, got, res = both(models(arch, bits), train_only_data, tmp_path, iters=20)
+    assert_same_adapters(ref, got)
+    losses = [s["loss"] for s in res.steps]
+    assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0]
+
+
+def test_grad_accumulation_and_mask_prompt_match_mlx_lm(models, tmp_path):
+    data = tmp_path / "pc"
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    write_jsonl(data / "train.jsonl",
+                [{"prompt": r["text"][:40], "completion": r["text"][40:]} for r in recs[:60]])
+    ref, got, res = both(models("llama", None), data, tmp_path, iters=6, grad_accumulation_steps=3,
+                         mask_prompt=True)
+    assert_same_adapters(ref, got)
+    # layer-major accumulation: 4 blocks forward + 2 backward per optimizer
+    # step of 3 micro-batches, not 3 x 6.
+    assert all(s["acquires"] == 6 for s in res.steps)
+
+
+def test_chat_data_with_validation(models, tmp_path):
+    data = tmp_path / "chat"
+    recs = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    chats = [{"messages": [{"role": "user", "content": t[:30]}, {"role": "assistant", "content": t[30:]}]}
+             for t in recs[:40]]
+    write_jsonl(data / "train.jsonl", chats[:30])
+    write_jsonl(data / "valid.jsonl", chats[30:])
+    ref, got, res = both(models("qwen3", None), data, tmp_path, iters=4, steps_per_eval=2)
+    assert_same_adapters(ref, got)
+    assert len(res.val_losses) == 3  # at iterations 1, 2 and 4, as mlx-lm
+
+
+def test_adapters_load_in_mlx_lm_and_generate(models, tmp_path):
+    model_path = models("llama", 4)
+    t = PagedTrainer(str(model_path), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
+    res = t.lora(SAMPLE, lora_rank=4, iters=3, batch_size=2, num_layers=2,
+                 adapter_path=str(tmp_path / "ad"), steps_per_eval=1000)
+    assert res.adapter_file.exists()
+    model, tok = mlx_lm.load(str(model_path), adapter_path=str(tmp_path / "ad"))
+    ours = mx.load(str(res.adapter_file))
+    loaded = dict(mlx_lm_tree(model))
+    for k, v in ours.items():
+        assert mx.array_equal(loaded[k], v).item()
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model_path), "--adapter-path",
+         str(tmp_path / "ad"), "--prompt", "The capital", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+
+
+def mlx_lm_tree(model):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.trainable_parameters()) + tree_flatten(model.parameters())
+
+
+def test_resume_continues_from_saved_adapters(models, tmp_path):
+    model_path = models("llama", None)
+    t = PagedTrainer(str(model_path), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
+    first = t.lora(SAMPLE, iters=4, batch_size=2, num_layers=2, learning_rate=1e-3,
+                   adapter_path=str(tmp_path / "a1"), steps_per_eval=1000)
+    saved = mx.load(str(first.adapter_file))
+    second = t.lora(SAMPLE, iters=4, batch_size=2, num_layers=2, learning_rate=1e-3,
+                    adapter_path=str(tmp_path / "a2"), steps_per_eval=1000,
+                    resume_adapter_file=str(first.adapter_file))
+    after = mx.load(str(second.adapter_file))
+    # It started from the saved adapters (lora_b is zero at a fresh start)...
+    assert any(mx.abs(v).sum().item() > 0 for k, v in saved.items() if k.endswith("lora_b"))
+    # ...and kept training: the second run's first loss is near the first
+    # run's last, far below a fresh start's, and the weights moved on.
+    assert second.steps[0]["loss"] < first.steps[0]["loss"]
+    assert any(not mx.array_equal(saved[k], after[k]).item() for k in saved)
+
+
+@pytest.mark.parametrize("budget", ["12 GB", "12gb", "0", "-1", "lots"])
+def test_bad_budget_is_a_clear_error_naming_the_minimum(models, budget, tmp_path):
+    t = PagedTrainer(str(models("llama", 4)), memory_budget=budget, ssd_cache_dir=str(tmp_path), quiet=True)
+    with pytest.raises(BudgetError) as e:
+        t.lora(SAMPLE, iters=1, num_layers=2, adapter_path=str(tmp_path / "a"))
+    msg = str(e.value)
+    assert budget in msg and "at least" in msg
+    assert not (tmp_path / "a" / "adapters.safetensors").exists()
+
+
+def test_cli_budget_too_small_exits_with_the_minimum(models, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "lora", "--model", str(models("llama", 4)), "--train",
+         "--data", str(SAMPLE), "--num-layers", "2", "--iters", "1", "--memory-budget", "20MB",
+         "--adapter-path", str(tmp_path / "a"), "--ssd-cache-dir", str(tmp_path / "c")],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "too small" in out.stderr and "at least" in out.stderr and "one block page" in out.stderr
+
+
+def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
+    help_text = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "lora", "--help"],
+                               capture_output=True, text=True).stdout
+    for flag in ["--model", "--train", "--data", "--fine-tune-type", "--num-layers", "--batch-size",
+                 "--iters", "--learning-rate", "--max-seq-length", "--adapter-path",
+                 "--resume-adapter-file", "--save-every", "--steps-per-report", "--steps-per-eval",
+                 "--val-batches", "--grad-accumulation-steps", "--mask-prompt", "--seed", "--config",
+                 "--memory-budget", "--ssd-cache-dir"]:
+        assert flag in help_text, flag
+    cfg = tmp_path / "lora.yaml"
+    cfg.write_text(f"model: {models('qwen3', None)}\ntrain: true\ndata: {SAMPLE}\niters: 2\n"
+                   f"num_layers: 1\nbatch_size: 2\nadapter_path: {tmp_path / 'ad'}\n"
+                   f"memory_budget: 1GB\nssd_cache_dir: {tmp_path / 'c'}\nsteps_per_eval: 100\n")
+    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "lora", "-c", str(cfg),
+                          "--report", str(tmp_path / "r.jsonl")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Iter 2: Train loss" in out.stdout
+    assert (tmp_path / "ad" / "adapters.safetensors").exists()
+    cfg_saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert cfg_saved["num_layers"] == 1 and cfg_saved["fine_tune_type"] == "lora"
+    lines = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert any("bytes_read" in l for l in lines)
