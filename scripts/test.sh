@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs every test of mlx-pager: the C++ core (plain, AddressSanitizer+UBSan,
+# and ThreadSanitizer for the MLX-free part), then the Python tests.
+# Creates/uses the virtual environment .venv (MLX_PAGER_VENV overrides).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${MLX_PAGER_VENV:-.venv}"
+JOBS="${MLX_PAGER_JOBS:-$(nproc 2>/dev/null || sysctl -n hw.ncpu)}"
+
+step() { printf '\n=== %s\n' "$*"; }
+
+step "Python environment ($VENV)"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$(cd "$VENV/bin" && pwd)/python"
+"$PY" -m pip install -q --disable-pip-version-check --upgrade pip
+# The package (builds the extension) with its test extras, and the build
+# tools the C++ test builds use.
+"$PY" -m pip install -q --disable-pip-version-check ".[test]" \
+  "scikit-build-core>=0.10" "nanobind==3.1.0" "cmake>=3.24" ninja
+export PATH="$(dirname "$PY"):$PATH"
+
+cxx_tests() {  # name, sanitizers, with-mlx
+  local dir="build/test-$1"
+  step "C++ tests: $1"
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DMLX_PAGER_BUILD_TESTS=ON -DMLX_PAGER_SANITIZE="$2" -DMLX_PAGER_WITH_MLX="$3" \
+    -DPython_EXECUTABLE="$PY" > "$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; return 1; }
+  cmake --build "$dir" -j "$JOBS"
+  (cd "$dir" && ctest --output-on-failure)
+}
+
+cxx_tests plain "" ON
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 cxx_tests asan "address,undefined" ON
+# ThreadSanitizer maps fixed address ranges; on kernels with high ASLR
+# entropy it needs randomisation off for the test binary.
+if command -v setarch > /dev/null && setarch "$(uname -m)" -R true 2> /dev/null; then
+  export MLX_PAGER_TSAN_WRAP="setarch $(uname -m) -R"
+fi
+step "C++ tests: tsan (MLX-free core)"
+cmake -S . -B build/test-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DMLX_PAGER_BUILD_TESTS=ON -DMLX_PAGER_SANITIZE=thread -DMLX_PAGER_WITH_MLX=OFF > /dev/null
+cmake --build build/test-tsan -j "$JOBS"
+TSAN_OPTIONS="halt_on_error=1" ${MLX_PAGER_TSAN_WRAP:-} build/test-tsan/mm_tests
+
+step "Python tests"
+# MLX's Linux CPU wheel bundles the reference BLAS; OpenBLAS, when installed,
+# makes float32 matmuls ~10x faster (see python/mlx_pager/blas.py).
+BLAS="$("$PY" -c 'from mlx_pager.blas import openblas_path; print(openblas_path() or "")')"
+if [ -n "$BLAS" ]; then export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}"; fi
+cd tests/python && "$PY" -m pytest -q -p no:cacheprovider "$@"
