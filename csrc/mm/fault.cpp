@@ -310,8 +310,13 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
         files + ": " + what;
     e.failed_gen = gen;
     ++stat_.read_errors;
-    graveyard_.push_back(std::move(e.frame.owner));
+    // Free the frame while the page still reads as in flight, so that the
+    // acquire that waits for it wakes to memory already given back.
+    std::shared_ptr<void> dead = std::move(e.frame.owner);
     e.frame = Frame{};
+    lock.unlock();
+    dead.reset();
+    lock.lock();
     held_bytes_ -= e.charged;
     e.charged = 0;
     e.state = PageState::on_disk;

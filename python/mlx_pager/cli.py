@@ -7,6 +7,7 @@
                           budget on the shipped sample data, print what the
                           pager did
   mlx-pager generate DIR  write a small random-weight test model
+  mlx-pager plot FILE     a PNG of a --report file (memory by component, I/O)
 """
 
 from __future__ import annotations
@@ -169,7 +170,23 @@ def generate_main(argv) -> int:
     return 0
 
 
-COMMANDS = {"lora": lora_main, "demo": demo_main, "generate": generate_main}
+def plot_main(argv) -> int:
+    from .plot import plot_report
+
+    p = argparse.ArgumentParser(prog="mlx-pager plot", description="Plot a --report file as a PNG.")
+    p.add_argument("report")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default: REPORT with .png)")
+    p.add_argument("--budget", default=None, help="Draw this memory budget, e.g. 450MB.")
+    a = p.parse_args(argv)
+    from .budget import parse_size
+
+    out = a.output or str(Path(a.report).with_suffix(".png"))
+    plot_report(a.report, out, parse_size(a.budget) if a.budget else None)
+    print(out)
+    return 0
+
+
+COMMANDS = {"lora": lora_main, "demo": demo_main, "generate": generate_main, "plot": plot_main}
 
 
 def main(argv=None) -> int:

@@ -75,6 +75,9 @@ DEFAULTS = {
     "head_chunk_bytes": 64 << 20,
     "report": None,
     "quiet": False,
+    # Benchmarks: a page budget in bytes; the memory budget is then the
+    # plan's fixed part plus this (memory_budget is ignored).
+    "page_budget": None,
 }
 
 
@@ -166,14 +169,43 @@ class _Run:
 
     def __init__(self, args):
         self.args = args
-        self.out = print if not args.quiet else (lambda *a, **k: None)
         self.result = TrainResult()
         self.report_file = open(args.report, "a") if args.report else None
+        self.bar = None  # the training progress bar, while it is shown
+        self.t0 = time.perf_counter()
+
+    def out(self, text: str = ""):
+        """A report line, printed above the progress bar if there is one."""
+        if self.args.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def progress(self, total: int, desc: str, unit: str = "it", scale: bool = False):
+        """A progress bar with ETA on stderr (none when quiet)."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, disable=self.args.quiet,
+                    dynamic_ncols=True, leave=False)
 
     def log_json(self, record: dict):
         if self.report_file is not None:
             self.report_file.write(json.dumps(record) + "\n")
             self.report_file.flush()
+
+    def trace(self, weights, phase: str, block: int):
+        """A per-block memory record for the report (memory by component)."""
+        if self.report_file is None:
+            return
+        s = weights.pager.stats()
+        self.log_json({
+            "type": "block", "t": time.perf_counter() - self.t0, "phase": phase, "block": block,
+            "rss_bytes": process_rss(), "pages_bytes": s["resident_bytes"] - s["pinned_bytes"],
+            "pinned_bytes": s["pinned_bytes"], "mlx_active_bytes": mx.get_active_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory(), "in_flight_pages": s["in_flight_pages"],
+        })
 
 
 def _build_optimizer(args):
@@ -268,10 +300,16 @@ def run(args) -> TrainResult:
             f"Requested to train {args.num_layers} layers but the model only has {len(model.layers)} layers."
         )
 
+    prep_bar = None
+
     def prep_progress(done, total):
-        r.out(f"\r  writing swap file: {100 * done / total:5.1f}% of {format_size(total)}", end="", flush=True)
+        nonlocal prep_bar
+        if prep_bar is None:
+            r.out(f"Writing the swap file ({format_size(total)}, once for this model)")
+            prep_bar = r.progress(total, "swap file", unit="B", scale=True)
+        prep_bar.update(done - prep_bar.n)
         if done >= total:
-            r.out("")
+            prep_bar.close()
 
     weights = PagedWeights(
         model,
@@ -324,6 +362,10 @@ def run(args) -> TrainResult:
         max_page=weights.max_page_bytes + IO_ALIGN,
     )
     plan.slack = max(48 << 20, 2 * plan.max_page // 4, plan.budget // 20)
+    if args.page_budget is not None:
+        plan.slack = max(48 << 20, 2 * plan.max_page // 4)
+        plan.budget = plan.fixed + int(args.page_budget)
+        budget_error = None
     if budget_error is not None:
         raise BudgetError(f"{budget_error} This run needs at least {format_size(plan.minimum)} ({plan.breakdown()}).")
     plan.check()
@@ -411,6 +453,12 @@ def _train(r: _Run, model, weights, gov, optimizer, train_set, val_set, adapter_
     losses, n_tokens, steps, trained_tokens, train_time = 0.0, 0, 0, 0, 0.0
     pager = weights.pager
     it = 0
+    r.bar = r.progress(args.iters, "train")
+
+    def on_block(phase, i):
+        gov.check()
+        r.trace(weights, phase, i)
+
     while it < args.iters:
         group = [next(batches) for _ in range(min(k, args.iters - it))]
         first_it, it = it + 1, it + len(group)
@@ -421,14 +469,14 @@ def _train(r: _Run, model, weights, gov, optimizer, train_set, val_set, adapter_
             val_loss = _evaluate(r, model, weights, val_set, args.val_batches)
             r.result.val_losses.append(val_loss)
             r.out(f"Iter {first_it}: Val loss {val_loss:.3f}, Val took {time.perf_counter() - tic:.3f}s")
-            r.log_json({"iteration": first_it, "val_loss": val_loss})
+            r.log_json({"type": "val", "iteration": first_it, "val_loss": val_loss})
 
         before = pager.stats()
         mx.reset_peak_memory()
         tic = time.perf_counter()
         mbs = [S.MicroBatch.from_batch(*b) for b in group]
         step_losses, step_toks, grads = S.paged_value_and_grad(
-            model, weights, mbs, args.head_chunk_bytes, on_block=lambda *_: gov.check()
+            model, weights, mbs, args.head_chunk_bytes, on_block=on_block
         )
         if len(group) == k:  # a partial last group updates nothing, as in mlx-lm
             if k > 1:
@@ -445,6 +493,7 @@ def _train(r: _Run, model, weights, gov, optimizer, train_set, val_set, adapter_
         steps += len(group)
         train_time += elapsed
         rec = {
+            "type": "step",
             "iteration": it,
             "loss": step_loss / len(group),
             "tokens": toks,
@@ -462,6 +511,7 @@ def _train(r: _Run, model, weights, gov, optimizer, train_set, val_set, adapter_
         }
         r.result.steps.append(rec)
         r.log_json(rec)
+        r.bar.update(len(group))
 
         if it % args.steps_per_report < len(group) or it == args.iters:
             train_loss = losses / steps
@@ -482,6 +532,8 @@ def _train(r: _Run, model, weights, gov, optimizer, train_set, val_set, adapter_
         if it % args.save_every < len(group):
             _save_adapters(model, adapter_file, it)
             r.out(f"Iter {it}: Saved adapter weights to {adapter_file}.")
+    r.bar.close()
+    r.bar = None
     _save_adapters(model, adapter_file, None)
     r.out(f"Saved final weights to {adapter_file}.")
 

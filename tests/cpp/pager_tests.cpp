@@ -106,6 +106,14 @@ std::vector<PageId> forward_backward(int n, int first_adapted = 0) {
 
 // Runs the schedule through the pager, checking every frame's bytes and that
 // the budget holds at every step. Returns pages read.
+// Stats once no read is in flight (reads started are then all counted).
+VmStat settled(Pager& p) {
+  for (int i = 0; i < 5000 && p.stats().in_flight_pages_now > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return p.stats();
+}
+
 // The pager is told the whole finite run (the schedule repeated `cycles`
 // times, then nothing), as the reference is.
 std::uint64_t run_schedule(Pager& p, const Fixture& fx, const std::vector<PageId>& order,
@@ -122,11 +130,7 @@ std::uint64_t run_schedule(Pager& p, const Fixture& fx, const std::vector<PageId
       p.release(id);
     }
   }
-  // Let background reads land before counting.
-  for (int i = 0; i < 1000 && p.stats().in_flight_pages_now > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  VmStat s = p.stats();
+  VmStat s = settled(p);  // let background reads land before counting
   CHECK(s.peak_resident_bytes <= budget);
   return s.pages_read;
 }
@@ -210,7 +214,7 @@ TEST_CASE("pager: a repeating schedule reads Belady's per-step minimum in steady
         p.set_schedule(order, /*repeat=*/true);
         std::uint64_t before = 0;
         for (int c = 0; c < 4; ++c) {
-          if (c == 2) before = p.stats().pages_read;
+          if (c == 2) before = settled(p).pages_read;
           for (PageId id : order) {
             Frame f = p.acquire(id);
             CHECK(fx.frame_ok(f, static_cast<int>(id)));
@@ -218,7 +222,7 @@ TEST_CASE("pager: a repeating schedule reads Belady's per-step minimum in steady
             p.release(id);
           }
         }
-        std::uint64_t per_step = (p.stats().pages_read - before) / 2;
+        std::uint64_t per_step = (settled(p).pages_read - before) / 2;
         std::uint64_t want = (belady_loads(order, 8, k) - belady_loads(order, 6, k)) / 2;
         CHECK_EQ(per_step, want);
       }
