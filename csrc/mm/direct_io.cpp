@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <new>
@@ -14,6 +15,8 @@
 namespace mlx_pager {
 
 namespace {
+
+std::atomic<bool> g_refuse_direct{false};
 
 [[noreturn]] void throw_errno(int err, const std::string& what) {
   throw std::system_error(err, std::generic_category(), what);
@@ -32,6 +35,10 @@ bool set_nocache(int fd) {
 
 // Opens with O_DIRECT where it exists. Returns -1 with errno set on failure.
 int open_direct(const std::string& path, int flags, mode_t perm) {
+  if (g_refuse_direct.load()) {
+    errno = EINVAL;
+    return -1;
+  }
 #if defined(O_DIRECT)
   return ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, perm);
 #else
@@ -75,10 +82,14 @@ open_mode(const std::string& path, int flags, mode_t perm, bool want_direct) {
   if (fd < 0) {
     throw_errno(errno, "open(" + path + ")");
   }
-  if (want_direct && set_nocache(fd)) {
+  if (want_direct && !g_refuse_direct.load() && set_nocache(fd)) {
     return {fd, IoMode::nocache};
   }
   return {fd, IoMode::buffered_drop};
+}
+
+bool DirectFile::refuse_direct_for_testing(bool refuse) {
+  return g_refuse_direct.exchange(refuse);
 }
 
 DirectFile DirectFile::open_read(const std::string& path, bool want_direct) {

@@ -65,6 +65,10 @@ class DirectFile {
   std::uint64_t size() const;  // current file size in bytes
   bool needs_alignment() const { return mode_ == IoMode::direct; }
 
+  // Test hook: while set, open_read/create_write behave as if the file system
+  // refused O_DIRECT (as tmpfs did before Linux 6.6). Returns the old value.
+  static bool refuse_direct_for_testing(bool refuse);
+
   // Reads exactly `n` bytes at `offset` into `dst`, retrying short reads.
   // Returns the number of bytes read, which is less than `n` only at end of
   // file. Throws std::system_error (naming path and offset) on an I/O error.

@@ -385,6 +385,10 @@ def run(args) -> TrainResult:
         f"pages {format_size(plan.page_budget)} (~{plan.page_budget / plan.max_page:.1f} blocks), "
         f"fixed {format_size(plan.fixed)}."
     )
+    io = weights.pager.stats()
+    if io["buffered_files"]:
+        r.out(f"Warning: {io['buffered_files']} of {io['buffered_files'] + io['direct_files']} weight files "
+              "refused direct I/O: their reads go through the page cache, dropped after each read.")
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     total = sum(v.size for _, v in tree_flatten(model.parameters()))
     r.out(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M)")

@@ -60,6 +60,18 @@ TEST_CASE("direct_io: a file system that refuses O_DIRECT falls back, visibly") 
   std::filesystem::remove(path);
 }
 
+TEST_CASE("direct_io: a refused O_DIRECT falls back to buffered reads, and says so") {
+  auto path = check::pattern_file("refused.bin", 3 * kIoAlign + 7, 9);
+  bool old = DirectFile::refuse_direct_for_testing(true);
+  auto f = DirectFile::open_read(path);
+  DirectFile::refuse_direct_for_testing(old);
+  CHECK(f.mode() == IoMode::buffered_drop);
+  char* buf = static_cast<char*>(aligned_alloc_io(4 * kIoAlign));
+  CHECK_EQ(f.pread_full(buf, 4 * kIoAlign, 0), 3 * kIoAlign + 7);
+  CHECK(check::matches_pattern(buf, 3 * kIoAlign + 7, 9, 0));
+  aligned_free_io(buf);
+}
+
 TEST_CASE("direct_io: a missing file is an error naming the path") {
   CHECK_THROWS_WITH(DirectFile::open_read("/nonexistent/dir/model.safetensors"),
                     "/nonexistent/dir/model.safetensors");

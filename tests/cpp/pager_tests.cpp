@@ -178,6 +178,22 @@ TEST_CASE("pager: a page made of several extents from several files") {
   }
 }
 
+TEST_CASE("pager: files that refuse direct I/O are counted, not hidden") {
+  Fixture fx(3, 54, "pager_refused.bin");
+  Pager p(config(3, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  bool old = DirectFile::refuse_direct_for_testing(true);
+  fx.register_pages(p);
+  DirectFile::refuse_direct_for_testing(old);
+  CHECK_EQ(p.stats().buffered_files, 1u);
+  CHECK_EQ(p.stats().direct_files, 0u);
+  CHECK(p.file_mode(0) == IoMode::buffered_drop);
+  for (PageId id : {0, 1, 2}) {
+    Frame f = p.acquire(id);
+    CHECK(fx.frame_ok(f, static_cast<int>(id)));
+    p.release(id);
+  }
+}
+
 TEST_CASE("pager: optimal policy reads exactly Belady's minimum over forward-then-backward") {
   Fixture fx(12, 41, "pager_fb.bin");
   for (int first_adapted : {0, 5}) {

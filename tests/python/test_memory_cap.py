@@ -48,7 +48,8 @@ def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data
                  "--report", str(tmp_path / "steps.jsonl")]
     proc, peak = run_capped(pager_cmd, CAP, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    steps = [json.loads(l) for l in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    records = [json.loads(l) for l in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
     losses = [s["loss"] for s in steps]
     assert len(losses) == 5
     assert all(l == l and abs(l) < 1e6 for l in losses), losses

@@ -162,4 +162,11 @@ def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
     cfg_saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert cfg_saved["num_layers"] == 1 and cfg_saved["fine_tune_type"] == "lora"
     lines = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert any("bytes_read" in l for l in lines)
+    steps = [l for l in lines if l["type"] == "step"]
+    blocks = [l for l in lines if l["type"] == "block"]
+    assert len(steps) == 2 and all("bytes_read" in s and "io_wait_s" in s for s in steps)
+    assert len(blocks) == 2 * (4 + 1)  # 4 blocks forward, 1 trained block backward
+    png = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "r.jsonl"),
+                          "--budget", "1GB"], capture_output=True, text=True, timeout=300)
+    assert png.returncode == 0, png.stderr
+    assert (tmp_path / "r.png").stat().st_size > 10_000
