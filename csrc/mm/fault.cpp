@@ -48,6 +48,7 @@ Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
       budget_(config.budget_bytes),
       policy_(config.policy),
       readahead_pages_(std::max(0, config.readahead_pages)),
+      aggressive_(config.readahead_aggressive),
       io_(config.io_threads, config.io_chunk_bytes) {
   if (!allocator_) {
     throw std::invalid_argument("[Pager] needs a frame allocator");
@@ -363,6 +364,16 @@ int Pager::set_readahead(int pages) {
     std::lock_guard<std::mutex> lock(mu_);
     old = readahead_pages_;
     readahead_pages_ = std::max(0, pages);
+  }
+  readahead();
+  return old;
+}
+
+bool Pager::set_readahead_aggressive(bool aggressive) {
+  bool old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::exchange(aggressive_, aggressive);
   }
   readahead();
   return old;

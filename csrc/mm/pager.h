@@ -55,6 +55,9 @@ struct PagerConfig {
   std::uint64_t budget_bytes = 0;  // resident + in-flight frames, at most
   Policy policy = Policy::optimal;
   int readahead_pages = 2;  // pages read ahead of the schedule; 0 = off
+  // Readahead may evict pages MIN would keep, to overlap reads with compute
+  // (readahead.cpp); false: never more reads than MIN on the schedule.
+  bool readahead_aggressive = false;
   int io_threads = 4;
   std::size_t io_chunk_bytes = 8u << 20;
   bool direct_io = true;  // false: buffered reads + cache drop (tests)
@@ -99,6 +102,7 @@ class Pager {
   // evicts down to it where possible.
   std::uint64_t set_budget(std::uint64_t bytes);
   int set_readahead(int pages);
+  bool set_readahead_aggressive(bool aggressive);
   Policy set_policy(Policy policy);
   std::uint64_t budget() const;
 
@@ -151,6 +155,7 @@ class Pager {
   std::uint64_t budget_;
   Policy policy_;
   int readahead_pages_;
+  bool aggressive_;
   std::uint64_t tick_ = 0;
   std::uint64_t held_bytes_ = 0;  // charged to pages in the table
   std::vector<std::shared_ptr<void>> graveyard_;  // frames to drop unlocked

@@ -11,6 +11,12 @@
 // evicting another, so readahead adds no reads over the optimal count on the
 // step's schedule. It stops at the first page it cannot start: later pages
 // are needed later still.
+//
+// That conservative rule can serialise reads and compute when the budget is
+// small: MIN streams the pages it does not keep through ONE slot, so the
+// next page's read cannot start before the current page is released. In
+// aggressive mode readahead then evicts the next-best page instead (one not
+// needed before the page it reads): more reads than MIN, more overlap.
 #include <algorithm>
 
 #include "mm/pager.h"
@@ -85,6 +91,23 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
       return false;
     }
     std::size_t pick = choose_victim(policy_, cands);
+    if (aggressive_ && (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when)) {
+      // Aggressive mode: MIN's choice is busy, so take the best victim that
+      // is evictable now and not needed before this page. It may cost a
+      // read MIN would not make, and buys overlap when the budget is small.
+      std::vector<Candidate> ok;
+      for (std::size_t c = 0; c < evictable; ++c) {
+        if (schedule_.next_use(cands[c].id, cursor_) > when) {
+          ok.push_back(cands[c]);
+        }
+      }
+      if (ok.empty()) {
+        return false;
+      }
+      evict_locked(ok[choose_victim(policy_, ok)].id);
+      bury(lock);
+      continue;
+    }
     const Candidate& v = cands[pick];
     if (pick >= evictable || schedule_.next_use(v.id, cursor_) <= when) {
       return false;  // not evictable yet, or needed no later than this page

@@ -62,8 +62,14 @@ void init_pager(nb::module_& m) {
       "See csrc/mlx/tensor_pager.h and csrc/mm/pager.h for the contract.")
       .def("__init__",
            [](TensorPager* self, std::uint64_t budget_bytes, const std::string& policy,
-              int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io) {
+              int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io,
+              const std::string& readahead_mode) {
              PagerConfig c;
+             if (readahead_mode != "conservative" && readahead_mode != "aggressive") {
+               throw std::invalid_argument(
+                   "readahead_mode must be 'conservative' or 'aggressive', not '" + readahead_mode + "'");
+             }
+             c.readahead_aggressive = readahead_mode == "aggressive";
              c.budget_bytes = budget_bytes;
              c.policy = policy_from_string(policy);
              c.readahead_pages = readahead;
@@ -73,7 +79,8 @@ void init_pager(nb::module_& m) {
              new (self) TensorPager(c);
            },
            "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2,
-           "io_threads"_a = 4, "io_chunk_bytes"_a = 8u << 20, "direct_io"_a = true)
+           "io_threads"_a = 4, "io_chunk_bytes"_a = 8u << 20, "direct_io"_a = true,
+           "readahead_mode"_a = "conservative")
       .def("add_page_in_place",
            [](TensorPager& tp, const std::string& name,
               const std::vector<InPlaceTensor>& tensors, int priority) {

@@ -114,7 +114,7 @@ def keyed_dropout(layer: nn.Module, key: Optional[mx.array]):
         if isinstance(m, nn.Dropout) and m.training and m._p_1 < 1:
             found.append((name, m))
     if not found or key is None:
-        yield
+        yield False
         return
     keys = mx.random.split(key, len(found))
     modules = dict(layer.named_modules())
@@ -122,7 +122,7 @@ def keyed_dropout(layer: nn.Module, key: Optional[mx.array]):
         for (name, m), k in zip(found, keys):
             parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
             modules[parent][attr] = _KeyedDropout(m._p_1, k)
-        yield
+        yield True
     finally:
         for name, m in found:
             parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
@@ -224,14 +224,17 @@ def _vocab_size(model: nn.Module) -> int:
     return int(v)
 
 
+def _trainable_names(layer: nn.Module) -> List[str]:
+    return [k for k, _ in tree_flatten(layer.trainable_parameters())]
+
+
 def block_vjp(
     layer: nn.Module, h: mx.array, call, cotangent: mx.array
 ) -> Tuple[mx.array, Dict[str, mx.array]]:
     """Recomputes the block at h and returns (dL/dh, {adapter name: dL/dparam})
     for the cotangent dL/d(block output)."""
-    flat = tree_flatten(layer.trainable_parameters())
-    names = [k for k, _ in flat]
-    params = [v for _, v in flat]
+    names = _trainable_names(layer)
+    params = [v for _, v in tree_flatten(layer.trainable_parameters())]
 
     def f(x, *p):
         layer.update(tree_unflatten(list(zip(names, p))))
@@ -242,6 +245,58 @@ def block_vjp(
     finally:
         layer.update(tree_unflatten(list(zip(names, params))))  # drop tracers
     return grads[0], dict(zip(names, grads[1:]))
+
+
+class Blocks:
+    """Runs model.layers[i] forward and backward, each compiled with
+    mx.compile once per block (as mlx-lm compiles its step, so elementwise
+    ops fuse; the results are the same bits). The block's weights are inputs
+    of the compiled function, never constants: they are new arrays each time
+    the page comes in. Blocks with active dropout run uncompiled (a compiled
+    graph would freeze the dropout key)."""
+
+    def __init__(self, model: nn.Module, compile: bool = True):
+        self.model, self.compile = model, compile
+        self._fwd, self._bwd = {}, {}
+
+    def forward(self, i: int, h: mx.array, call, key=None) -> mx.array:
+        layer = self.model.layers[i]
+        with keyed_dropout(layer, key) as dropout:
+            if dropout or not self.compile:
+                return run_block(layer, h, call)
+        if i not in self._fwd:
+
+            def fwd(h, params, args, kwargs):
+                layer.update(params)
+                return run_block(layer, h, (args, kwargs))
+
+            self._fwd[i] = mx.compile(fwd)
+        params = layer.parameters()
+        try:
+            return self._fwd[i](h, params, *call)
+        finally:
+            layer.update(params)  # tracing left tracers in the module
+
+    def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
+        layer = self.model.layers[i]
+        with keyed_dropout(layer, key) as dropout:
+            if dropout or not self.compile:
+                return block_vjp(layer, h, call, cotangent)
+        names = _trainable_names(layer)
+        if i not in self._bwd:
+
+            def bwd(h, params, cotangent, args, kwargs):
+                layer.update(params)
+                g_h, g_p = block_vjp(layer, h, (args, kwargs), cotangent)
+                return g_h, [g_p[n] for n in names]
+
+            self._bwd[i] = mx.compile(bwd)
+        params = layer.parameters()
+        try:
+            g_h, grads = self._bwd[i](h, params, cotangent, *call)
+        finally:
+            layer.update(params)
+        return g_h, dict(zip(names, grads))
 
 
 def first_trained_block(model: nn.Module) -> int:
@@ -264,16 +319,19 @@ def paged_value_and_grad(
     micro_batches: Sequence[MicroBatch],
     head_chunk_bytes: int = 64 << 20,
     on_block=None,
+    blocks: Optional[Blocks] = None,
 ) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
     """Losses and token counts per micro-batch, and the SUM over micro-batches
     of the adapter gradients, as a flat {model parameter path: grad} dict.
 
     `weights` is a PagedWeights; `on_block(phase, i)` is called after each
-    block (for the memory governor and progress reports).
+    block (for the memory governor and progress reports); `blocks` keeps the
+    compiled block functions from one step to the next.
     """
     L = len(model.layers)
     first = first_trained_block(model)
     prefixes = weights.block_prefixes
+    blocks = blocks or Blocks(model)
     for mb in micro_batches:
         plan(model, mb)
 
@@ -288,12 +346,8 @@ def paged_value_and_grad(
         try:
             if i >= first:
                 saved[i] = hs
-            layer = model.layers[i]
-            out = []
-            for m, (h, mb) in enumerate(zip(hs, micro_batches)):
-                with keyed_dropout(layer, keys[i, m]):
-                    out.append(run_block(layer, h, mb.calls[i]))
-            hs = out
+            hs = [blocks.forward(i, h, mb.calls[i], keys[i, m])
+                  for m, (h, mb) in enumerate(zip(hs, micro_batches))]
             mx.eval(hs)
         finally:
             weights.unbind(i)
@@ -313,11 +367,9 @@ def paged_value_and_grad(
     for i in range(L - 1, first - 1, -1):
         weights.bind(i)
         try:
-            layer = model.layers[i]
             new_cots = []
             for m, (h, mb) in enumerate(zip(saved.pop(i), micro_batches)):
-                with keyed_dropout(layer, keys[i, m]):
-                    g_h, g_p = block_vjp(layer, h, mb.calls[i], cots[m])
+                g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i, m])
                 new_cots.append(g_h)
                 for name, g in g_p.items():
                     full = f"{prefixes[i]}.{name}"
@@ -331,17 +383,18 @@ def paged_value_and_grad(
     return losses, ntoks, grads
 
 
-def paged_loss(model, weights, micro_batches: Sequence[MicroBatch], head_chunk_bytes=64 << 20, on_block=None):
+def paged_loss(model, weights, micro_batches: Sequence[MicroBatch], head_chunk_bytes=64 << 20, on_block=None,
+               blocks: Optional[Blocks] = None):
     """Forward only (evaluation): losses and token counts per micro-batch."""
     L = len(model.layers)
+    blocks = blocks or Blocks(model)
     for mb in micro_batches:
         plan(model, mb)
     hs = [mb.h0 for mb in micro_batches]
     for i in range(L):
         weights.bind(i)
         try:
-            layer = model.layers[i]
-            hs = [run_block(layer, h, mb.calls[i]) for h, mb in zip(hs, micro_batches)]
+            hs = [blocks.forward(i, h, mb.calls[i]) for h, mb in zip(hs, micro_batches)]
             mx.eval(hs)
         finally:
             weights.unbind(i)

@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import step as S
 from .budget import BudgetError, MemoryPlan, estimate_activations, format_size, parse_size
-from .governor import Governor, process_rss
+from .governor import Governor, process_rss, return_freed_memory_to_os
 from .store import PagedWeights
 
 # mlx_lm.lora's defaults, plus mlx-pager's own options.
@@ -70,6 +70,7 @@ DEFAULTS = {
     "store": "auto",
     "policy": "optimal",
     "readahead": 2,
+    "readahead_mode": "conservative",
     "io_threads": 4,
     "direct_io": True,
     "head_chunk_bytes": 64 << 20,
@@ -251,8 +252,10 @@ def _longest_batch(args, datasets) -> int:
     (it pads to 1 + a multiple of 32, capped at max_seq_length)."""
     longest = 1
     for d in datasets:
-        if d is not None:
-            longest = max([longest] + [d.itemlen(i) for i in range(len(d))])
+        for i in range(len(d) if d is not None else 0):
+            item = d[i]  # tokenizes (and caches) the record: (tokens, offset)
+            tokens = item[0] if isinstance(item, tuple) and len(item) == 2 else item
+            longest = max(longest, len(tokens))
     return min(args.max_seq_length, 1 + 32 * ((longest + 31) // 32))
 
 
@@ -272,6 +275,7 @@ def run(args) -> TrainResult:
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model, load_tokenizer, save_config
 
+    return_freed_memory_to_os()  # before the first large allocation
     r = _Run(args)
     np.random.seed(args.seed)
     if args.fine_tune_type not in ("lora", "dora"):
@@ -319,7 +323,7 @@ def run(args) -> TrainResult:
         store=args.store,
         pager_options=dict(
             policy=args.policy, readahead=args.readahead, io_threads=args.io_threads,
-            direct_io=args.direct_io,
+            direct_io=args.direct_io, readahead_mode=args.readahead_mode,
         ),
         progress=prep_progress,
     )
@@ -361,9 +365,12 @@ def run(args) -> TrainResult:
         slack=0,
         max_page=weights.max_page_bytes + IO_ALIGN,
     )
-    plan.slack = max(48 << 20, 2 * plan.max_page // 4, plan.budget // 20)
+    # Slack: MLX's buffer cache keeps one freed page frame for the next read
+    # to reuse (a fresh frame costs page faults and zeroing on every read),
+    # plus allocator rounding.
+    plan.slack = max(48 << 20, plan.max_page + (16 << 20), plan.budget // 20)
     if args.page_budget is not None:
-        plan.slack = max(48 << 20, 2 * plan.max_page // 4)
+        plan.slack = max(48 << 20, plan.max_page + (16 << 20))
         plan.budget = plan.fixed + int(args.page_budget)
         budget_error = None
     if budget_error is not None:
@@ -372,6 +379,7 @@ def run(args) -> TrainResult:
     r.result.plan = plan
     gov = Governor(plan, weights.pager, pinned_bytes=weights.resident_bytes + IO_ALIGN)
     r.gov_check = gov.check
+    r.blocks = S.Blocks(model)
     weights.pin_resident()
     if args.fine_tune_type == "dora":
         _init_dora_magnitudes(model, weights, first)
@@ -436,7 +444,7 @@ def _evaluate(r: _Run, model, weights: PagedWeights, dataset, num_batches: int) 
     group = max(8, args.grad_accumulation_steps)
     for g in range(0, len(batches), group):
         for loss, toks in S.paged_loss(model, weights, batches[g:g + group], args.head_chunk_bytes,
-                                       on_block=lambda *_: r.gov_check()):
+                                       on_block=lambda *_: r.gov_check(), blocks=r.blocks):
             all_losses += loss * toks
             ntokens += toks
             mx.eval(all_losses, ntokens)
@@ -480,7 +488,7 @@ def _train(r: _Run, model, weights, gov, optimizer, train_set, val_set, adapter_
         tic = time.perf_counter()
         mbs = [S.MicroBatch.from_batch(*b) for b in group]
         step_losses, step_toks, grads = S.paged_value_and_grad(
-            model, weights, mbs, args.head_chunk_bytes, on_block=on_block
+            model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=r.blocks
         )
         if len(group) == k:  # a partial last group updates nothing, as in mlx-lm
             if k > 1:

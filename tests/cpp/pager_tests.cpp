@@ -297,6 +297,39 @@ TEST_CASE("pager: readahead overlaps reads with compute and is counted") {
   CHECK(s.faults <= 1);  // only the very first page is a demand fault
 }
 
+TEST_CASE("pager: aggressive readahead starts the next streamed page while this one is in use") {
+  // 8 blocks, backward down to block 4, 4 pages of budget: MIN keeps blocks
+  // 4..6 and streams 0..3 and 7 through one slot, so conservative readahead
+  // cannot start block j+1 before block j is released; aggressive can.
+  Fixture fx(8, 55, "pager_aggr.bin");
+  auto order = forward_backward(8, 4);
+  for (bool aggressive : {false, true}) {
+    PagerConfig c = config(4, Policy::optimal, 2);
+    c.readahead_aggressive = aggressive;
+    Pager p(c, std::make_shared<HeapFrameAllocator>());
+    fx.register_pages(p);
+    p.set_schedule(order);
+    int overlapped = 0;
+    for (int cycle = 0; cycle < 3; ++cycle) {
+      for (std::size_t k = 0; k < order.size(); ++k) {
+        PageId id = order[k];
+        Frame f = p.acquire(id);
+        CHECK(fx.frame_ok(f, static_cast<int>(id)));
+        CHECK(p.stats().resident_bytes_now <= 4 * kPage);
+        PageId next = order[(k + 1) % order.size()];
+        if (cycle == 2 && id <= 2 && next == id + 1 && p.state(next) != PageState::on_disk) {
+          ++overlapped;  // block id+1 is on its way while id is in use
+        }
+        f = Frame{};
+        p.release(id);
+      }
+    }
+    CHECK_EQ(overlapped, aggressive ? 3 : 0);
+    // Aggressive never reads fewer pages than MIN, and reads them all right.
+    CHECK(settled(p).pages_read >= belady_loads(order, 3, 4));
+  }
+}
+
 TEST_CASE("pager: the budget holds with many threads racing readahead and faults") {
   Fixture fx(16, 45, "pager_race.bin");
   const int k = 6;
