@@ -130,6 +130,7 @@ def worker_pager(cfg):
     p = res.plan
     return {"steps": steps, "peak_rss": vm_hwm(), "mlx_peak": max(s["mlx_peak"] for s in steps),
             "budget": p.budget, "page_budget": p.page_budget, "page_footprint": p.max_page,
+            "page_footprints": res.page_footprints,
             "report": str(report), "governor": res.governor_events}
 
 
@@ -157,7 +158,10 @@ def dd_bandwidth(files) -> float:
     return total / (time.perf_counter() - t)
 
 
-def belady_per_step(num_blocks, first, k, steps=8):
+def belady_per_step(num_blocks, first, footprints, budget, steps=8):
+    """Pages MIN reads per step in steady state, pages charged their own
+    footprints against a byte budget (evict furthest next use until the
+    page fits), as the pager charges them."""
     seq_one = list(range(num_blocks)) + list(range(num_blocks - 1, first - 1, -1))
 
     def loads(seq):
@@ -165,12 +169,15 @@ def belady_per_step(num_blocks, first, k, steps=8):
         for t in range(len(seq) - 1, -1, -1):
             nxt[t] = last.get(seq[t], 10**9 + t)
             last[seq[t]] = t
-        cache, n = {}, 0
+        cache, used, n = {}, 0, 0
         for t, pg in enumerate(seq):
             if pg not in cache:
                 n += 1
-                if len(cache) >= max(1, k):
-                    del cache[max(cache, key=cache.get)]
+                while cache and used + footprints[pg] > budget:
+                    victim = max(cache, key=cache.get)
+                    used -= footprints[victim]
+                    del cache[victim]
+                used += footprints[pg]
             cache[pg] = nxt[t]
         return n
 
@@ -258,15 +265,15 @@ def bench_one(name, shape, a, out_dir):
         if "page_budget" in r:
             # Pages differ a little in size (in-place pages read through small
             # gaps), so MIN is counted in pages and priced at the mean page read.
-            k = max(1, r["page_budget"] // r["page_footprint"])
-            min_pages = belady_per_step(L, first, k)
+            k = r["page_budget"] / r["page_footprint"]
+            min_pages = belady_per_step(L, first, r["page_footprints"], r["page_budget"])
             pages_step = median_after_first([s["pages_read"] for s in r["steps"]])
             bytes_step = median_after_first([s["bytes_read"] for s in r["steps"]])
             total_pages = sum(s["pages_read"] for s in r["steps"])
             page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else 0
             io = median_after_first([s["io_wait_s"] for s in r["steps"]])
             bound = max(min_pages * page_read / R_med, compute)
-            row.update(budget=r["budget"], page_budget=r["page_budget"], k_pages=int(k),
+            row.update(budget=r["budget"], page_budget=r["page_budget"], k_pages=round(k, 2),
                        pages_per_step=pages_step, belady_pages=min_pages,
                        bytes_per_step=bytes_step, belady_bytes=min_pages * page_read,
                        vs_belady=pages_step / min_pages if min_pages else (1.0 if pages_step == 0 else float("inf")),

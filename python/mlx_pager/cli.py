@@ -37,6 +37,9 @@ def _lora_parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", choices=["optimal", "lru"], default=None,
                    help="Eviction policy (default: optimal, which knows the step's access order).")
     g.add_argument("--readahead", type=int, default=None, help="Blocks to read ahead (default 2; 0 = off).")
+    g.add_argument("--readahead-mode", choices=["conservative", "aggressive"], default=None,
+                   help="conservative: never more reads than Belady's minimum; aggressive: may read "
+                        "more to overlap reads with compute when the budget is small.")
     g.add_argument("--io-threads", type=int, default=None, help="I/O threads (default 4).")
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
     return parser

@@ -115,6 +115,7 @@ class TrainResult:
     pager_stats: dict = field(default_factory=dict)
     adapter_file: Optional[Path] = None
     governor_events: List[str] = field(default_factory=list)
+    page_footprints: List[int] = field(default_factory=list)  # bytes each block's page is charged
 
 
 class PagedTrainer:
@@ -377,6 +378,7 @@ def run(args) -> TrainResult:
         raise BudgetError(f"{budget_error} This run needs at least {format_size(plan.minimum)} ({plan.breakdown()}).")
     plan.check()
     r.result.plan = plan
+    r.result.page_footprints = [weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)]
     gov = Governor(plan, weights.pager, pinned_bytes=weights.resident_bytes + IO_ALIGN)
     r.gov_check = gov.check
     r.blocks = S.Blocks(model)
