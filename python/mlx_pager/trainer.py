@@ -410,7 +410,15 @@ def run(args) -> TrainResult:
     save_config(cfg, adapter_path / "adapter_config.json")
 
     optimizer = _build_optimizer(args)
-    _train(r, model, weights, gov, optimizer, train_cached, valid_cached, adapter_file)
+    try:
+        _train(r, model, weights, gov, optimizer, train_cached, valid_cached, adapter_file)
+    except BudgetError as e:
+        # Out of memory mid-run: keep what was trained, then say what is needed.
+        if r.bar is not None:
+            r.bar.close()
+            r.bar = None
+        _save_adapters(model, adapter_file, None)
+        raise BudgetError(f"{e} The adapters trained so far are saved in {adapter_file}.") from e
 
     if args.test and len(test_set):
         r.result.test_loss = _evaluate(r, model, weights, CacheDataset(test_set), args.test_batches)
