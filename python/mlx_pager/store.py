@@ -154,10 +154,9 @@ class PagedWeights:
                     for n in names
                 ]
                 pid = self.pager.add_page_in_place(page_name, tensors)
-                self._register(pid, names, modules, params, "in_place")
+                self._add_slots(pid, self._slots(names, modules, params), "in_place")
             else:
-                to_swap.append((page_name, names))
-                self._register(None, names, modules, params, "swap")
+                to_swap.append((page_name, names, self._slots(names, modules, params)))
         if to_swap:
             self._add_swap_pages(to_swap, params, ssd_cache_dir, progress)
         self.block_prefixes = prefixes
@@ -172,26 +171,26 @@ class PagedWeights:
         self._bound: Dict[int, int] = {}
 
     # ---------------------------------------------------------------- setup --
-    def _register(self, pid, names, modules, params, kind):
+    @staticmethod
+    def _slots(names, modules, params) -> List[_Slot]:
         slots = []
         for n in names:
             mod_path, key = n.rsplit(".", 1) if "." in n else ("", n)
-            module = modules[mod_path]
             a = params[n]
-            slots.append(_Slot(n, module, key, placeholder(a.shape, a.dtype)))
-        if pid is None:
-            self._pending = getattr(self, "_pending", []) + [slots]
-        else:
-            assert pid == len(self.slots)
-            self.slots.append(slots)
-            self.store_kind.append(kind)
+            slots.append(_Slot(n, modules[mod_path], key, placeholder(a.shape, a.dtype)))
+        return slots
+
+    def _add_slots(self, pid: int, slots: List[_Slot], kind: str) -> None:
+        assert pid == len(self.slots), "pages are registered in order"
+        self.slots.append(slots)
+        self.store_kind.append(kind)
 
     def _swap_key(self, to_swap, params) -> str:
         h = hashlib.sha256()
         for f in sorted(self.model_path.glob("model*.safetensors")):
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        for page_name, names in to_swap:
+        for page_name, names, _ in to_swap:
             h.update(page_name.encode())
             for n in names:
                 h.update(f"{n}:{params[n].dtype}:{params[n].shape}".encode())
@@ -221,21 +220,17 @@ class PagedWeights:
             tmp.write_text(json.dumps(manifest))
             os.replace(tmp, manifest_path)
         self.swap_path = swap_path
-        pending = self._pending
-        del self._pending
-        for (page_name, names), slots in zip(to_swap, pending):
+        for page_name, names, slots in to_swap:
             offset = manifest["pages"][page_name]
             specs = [(n, params[n].dtype, list(params[n].shape)) for n in names]
             pid = self.pager.add_page_from_swap(page_name, str(swap_path), offset, specs)
-            assert pid == len(self.slots)
-            self.slots.append(slots)
-            self.store_kind.append("swap")
+            self._add_slots(pid, slots, "swap")
 
     def _write_swap(self, swap_path, to_swap, params, progress):
-        total = sum(swap_page_bytes([params[n].nbytes for n in names]) for _, names in to_swap)
+        total = sum(swap_page_bytes([params[n].nbytes for n in names]) for _, names, _ in to_swap)
         writer = SwapWriter(str(swap_path), total)
         pages, done = {}, 0
-        for page_name, names in to_swap:
+        for page_name, names, _ in to_swap:
             # Evaluated one page at a time: memory stays near one page.
             arrays = [params[n] for n in names]
             pages[page_name] = writer.write_page(arrays)

@@ -1,0 +1,67 @@
+"""The swap store: a model's frozen weights as pages, read in place or from a
+swap file written once and reused; placeholders that hold no memory."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from mlx_pager.store import RESIDENT_PAGE, PagedWeights
+
+
+def lazy(path):
+    model, _ = load_model(path, lazy=True)
+    model.freeze()
+    return model
+
+
+@pytest.mark.parametrize("store", ["in_place", "swap"])
+def test_pages_hold_the_models_weights(models, tmp_path, store):
+    path = models("qwen3", 4)
+    ref = dict(tree_flatten(load_model(path)[0].parameters()))
+    model = lazy(path)
+    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), store=store)
+    assert w.num_blocks == len(model.layers) and set(w.store_kind) == {store}
+    # Until bound, the model holds placeholders: right shapes, no memory.
+    before = mx.get_active_memory()
+    for name, a in tree_flatten(model.parameters()):
+        assert a.shape == ref[name].shape and a.dtype == ref[name].dtype
+    assert mx.get_active_memory() - before < 1 << 16
+    w.pin_resident()
+    for i in range(w.num_blocks):
+        w.bind(i)
+        got = dict(tree_flatten(model.layers[i].parameters()))
+        prefix = w.block_prefixes[i]
+        for k, v in got.items():
+            assert mx.array_equal(v, ref[f"{prefix}.{k}"]).item(), k
+        w.unbind(i)
+    assert w.pager.lookup(RESIDENT_PAGE) == w.resident_id
+
+
+def test_swap_file_is_written_once_and_reused(models, tmp_path):
+    path = models("llama", None)
+    w1 = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), store="swap")
+    swap = w1.swap_path
+    mtime = swap.stat().st_mtime_ns
+    del w1
+    w2 = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), store="swap")
+    assert w2.swap_path == swap and swap.stat().st_mtime_ns == mtime
+    w2.bind(0)
+    w2.unbind(0)
+
+
+def test_swap_without_a_cache_dir_is_a_clear_error(models):
+    path = models("llama", None)
+    with pytest.raises(ValueError, match="ssd_cache_dir"):
+        PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=None, store="swap")
+    with pytest.raises(ValueError, match="'auto', 'in_place' or 'swap'"):
+        PagedWeights(lazy(path), path, budget_bytes=1 << 30, store="disk")
+
+
+def test_unbinding_twice_is_an_error(models, tmp_path):
+    path = models("llama", None)
+    w = PagedWeights(lazy(path), path, budget_bytes=1 << 30)
+    w.bind(1)
+    w.unbind(1)
+    with pytest.raises(RuntimeError, match="not bound"):
+        w.unbind(1)
