@@ -54,7 +54,9 @@ PageId TensorPager::add_page_in_place(
     if (f >= file_sizes.size()) {
       file_sizes.resize(f + 1, 0);
     }
-    file_sizes[f] = std::filesystem::file_size(t.path);
+    if (file_sizes[f] == 0) {
+      file_sizes[f] = std::filesystem::file_size(t.path);  // once per file
+    }
     sources.push_back(TensorSource{
         t.spec.name, f, t.offset, t.nbytes,
         static_cast<std::uint32_t>(mx::size_of(t.spec.dtype))});

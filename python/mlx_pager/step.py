@@ -181,6 +181,10 @@ def head_chunks(T: int, B: int, vocab: int, chunk_bytes: int) -> List[Tuple[int,
     return [(t, min(T, t + step)) for t in range(0, T, step)]
 
 
+def _concat(parts: List[mx.array]) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
 def head_loss_and_grad(
     model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int
 ) -> Tuple[mx.array, mx.array]:
@@ -199,10 +203,20 @@ def head_loss_and_grad(
         mx.eval(ce, g)
         ce_parts.append(ce)
         grad_parts.append(g)
-    ce = ce_parts[0] if len(ce_parts) == 1 else mx.concatenate(ce_parts, axis=1)
-    grad = grad_parts[0] if len(grad_parts) == 1 else mx.concatenate(grad_parts, axis=1)
-    loss = ce.astype(mx.float32).sum() / mb.ntoks
-    return loss, grad
+    # Summed over all tokens at once, exactly as default_loss sums them.
+    return _concat(ce_parts).astype(mx.float32).sum() / mb.ntoks, _concat(grad_parts)
+
+
+def head_loss(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -> mx.array:
+    """default_loss's value alone (evaluation), over the same token chunks."""
+    ce_parts = []
+    for t0, t1 in head_chunks(h.shape[1], h.shape[0], _vocab_size(model), chunk_bytes):
+        ce = _head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
+        mx.eval(ce)
+        ce_parts.append(ce)
+    loss = _concat(ce_parts).astype(mx.float32).sum() / mb.ntoks
+    mx.eval(loss)
+    return loss
 
 
 def _head_ce(model, inputs, targets, mask, h):
@@ -313,6 +327,17 @@ def step_schedule(num_blocks: int, first_trained: int) -> List[int]:
     return list(range(num_blocks)) + list(range(num_blocks - 1, first_trained - 1, -1))
 
 
+def _dropout_keys(model: nn.Module, num_blocks: int, num_micro: int):
+    """keys[i][m] for block i, micro-batch m; all None without active dropout."""
+    active = any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1
+                 for _, m in model.named_modules())
+    if not active:
+        return [[None] * num_micro for _ in range(num_blocks)]
+    step_key = mx.random.key(int(mx.random.randint(0, 2**31 - 1, ()).item()))
+    keys = mx.random.split(step_key, num_blocks * num_micro)
+    return [[keys[i * num_micro + m] for m in range(num_micro)] for i in range(num_blocks)]
+
+
 def paged_value_and_grad(
     model: nn.Module,
     weights,
@@ -336,9 +361,9 @@ def paged_value_and_grad(
         plan(model, mb)
 
     # Forward, layer-major. Active dropout draws from per-(block, micro-batch)
-    # keys so that the backward pass's recompute sees the same masks.
-    step_key = mx.random.key(int(mx.random.randint(0, 2**31 - 1, ()).item()))
-    keys = mx.random.split(step_key, L * len(micro_batches)).reshape(L, len(micro_batches), -1)
+    # keys so that the backward pass's recompute sees the same masks; without
+    # it (mlx-lm's default) the global PRNG is left untouched, as mlx-lm does.
+    keys = _dropout_keys(model, L, len(micro_batches))
     hs = [mb.h0 for mb in micro_batches]
     saved: Dict[int, List[mx.array]] = {}
     for i in range(L):
@@ -346,7 +371,7 @@ def paged_value_and_grad(
         try:
             if i >= first:
                 saved[i] = hs
-            hs = [blocks.forward(i, h, mb.calls[i], keys[i, m])
+            hs = [blocks.forward(i, h, mb.calls[i], keys[i][m])
                   for m, (h, mb) in enumerate(zip(hs, micro_batches))]
             mx.eval(hs)
         finally:
@@ -367,15 +392,16 @@ def paged_value_and_grad(
     for i in range(L - 1, first - 1, -1):
         weights.bind(i)
         try:
-            new_cots = []
+            new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(saved.pop(i), micro_batches)):
-                g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i, m])
+                g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m])
                 new_cots.append(g_h)
                 for name, g in g_p.items():
                     full = f"{prefixes[i]}.{name}"
-                    grads[full] = g if full not in grads else grads[full] + g
+                    block_grads[full] = g if full not in block_grads else block_grads[full] + g
             cots = new_cots
-            mx.eval(cots, [grads[k] for k in grads if k.startswith(prefixes[i] + ".")])
+            mx.eval(cots, block_grads)
+            grads.update(block_grads)
         finally:
             weights.unbind(i)
         if on_block is not None:
@@ -400,20 +426,4 @@ def paged_loss(model, weights, micro_batches: Sequence[MicroBatch], head_chunk_b
             weights.unbind(i)
         if on_block is not None:
             on_block("eval", i)
-    out = []
-    for h, mb in zip(hs, micro_batches):
-        loss, _ = _head_loss_only(model, mb, h, head_chunk_bytes)
-        out.append((loss, mb.ntoks))
-    return out
-
-
-def _head_loss_only(model, mb, h, chunk_bytes):
-    ce_parts = []
-    for t0, t1 in head_chunks(h.shape[1], h.shape[0], _vocab_size(model), chunk_bytes):
-        ce = _head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
-        mx.eval(ce)
-        ce_parts.append(ce)
-    ce = ce_parts[0] if len(ce_parts) == 1 else mx.concatenate(ce_parts, axis=1)
-    loss = ce.astype(mx.float32).sum() / mb.ntoks
-    mx.eval(loss)
-    return loss, None
+    return [(head_loss(model, mb, h, head_chunk_bytes), mb.ntoks) for h, mb in zip(hs, micro_batches)]

@@ -341,9 +341,8 @@ def run(args) -> TrainResult:
     # ---- the memory plan
     from ._core import IO_ALIGN
 
-    act_itemsize = mx.zeros((), dtype=next(
-        (s.placeholder.dtype for s in weights.slots[weights.resident_id]
-         if mx.issubdtype(s.placeholder.dtype, mx.floating)), mx.float32)).itemsize
+    act_itemsize = next((s.placeholder.dtype for s in weights.slots[weights.resident_id]
+                         if mx.issubdtype(s.placeholder.dtype, mx.floating)), mx.float32).size
     plan_budget = 0
     budget_error = None
     try:
@@ -353,6 +352,13 @@ def run(args) -> TrainResult:
     train_cached = CacheDataset(train_set)
     valid_cached = CacheDataset(valid_set) if len(valid_set) else None
     seq_len = _longest_batch(args, [train_cached, valid_cached])
+    max_page = weights.max_page_bytes + IO_ALIGN
+    # Slack: MLX's buffer cache keeps one freed page frame for the next read
+    # to reuse (a fresh frame costs page faults and zeroing on every read),
+    # plus allocator rounding.
+    slack = max(48 << 20, max_page + (16 << 20))
+    if args.page_budget is None:
+        slack = max(slack, plan_budget // 20)
     plan = MemoryPlan(
         budget=plan_budget,
         baseline=process_rss(),
@@ -363,15 +369,10 @@ def run(args) -> TrainResult:
             len(model.layers) - first, act_itemsize, args.head_chunk_bytes,
             _largest_weight_elems(weights),
         ),
-        slack=0,
-        max_page=weights.max_page_bytes + IO_ALIGN,
+        slack=slack,
+        max_page=max_page,
     )
-    # Slack: MLX's buffer cache keeps one freed page frame for the next read
-    # to reuse (a fresh frame costs page faults and zeroing on every read),
-    # plus allocator rounding.
-    plan.slack = max(48 << 20, plan.max_page + (16 << 20), plan.budget // 20)
     if args.page_budget is not None:
-        plan.slack = max(48 << 20, plan.max_page + (16 << 20))
         plan.budget = plan.fixed + int(args.page_budget)
         budget_error = None
     if budget_error is not None:
