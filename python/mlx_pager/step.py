@@ -39,6 +39,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .layers import BlockList
+
 
 class _Pass:
     """Stands in for a block: passes its input through untouched."""
@@ -79,15 +81,15 @@ class _Emit(_Pass):
 @contextmanager
 def stand_ins(model: nn.Module, make):
     """Replaces each block of ``model.layers`` by ``make(i, layer)`` for the
-    duration of the block, in place (the model's inner list is the same
-    object), and always puts the real blocks back."""
-    layers = model.layers
-    real = list(layers)
+    duration of the block, in the list the model's forward pass reads
+    (layers.py), and always puts the real blocks back."""
+    where = BlockList(model)
+    real = where.blocks()
     try:
-        layers[:] = [make(i, l) for i, l in enumerate(real)]
+        where.replace([make(i, l) for i, l in enumerate(real)])
         yield
     finally:
-        layers[:] = real
+        where.replace(real)
 
 
 class _KeyedDropout(nn.Module):
