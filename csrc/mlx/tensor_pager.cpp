@@ -62,12 +62,15 @@ PageId TensorPager::add_page_in_place(
         static_cast<std::uint32_t>(mx::size_of(t.spec.dtype))});
   }
   // Read through gaps (other pages' bytes) only when they are small next to
-  // the page itself: at most 1/8 of it, and at most 1 MiB.
+  // the page itself: at most 1/kGapFraction of it, and at most
+  // kMaxReadThroughGap.
+  constexpr std::uint64_t kGapFraction = 8;
   std::uint64_t page_bytes = 0;
   for (const TensorSource& t : sources) {
     page_bytes += t.nbytes;
   }
-  std::uint64_t max_gap = std::min<std::uint64_t>(1u << 20, page_bytes / 8);
+  std::uint64_t max_gap =
+      std::min<std::uint64_t>(kMaxReadThroughGap, page_bytes / kGapFraction);
   PagePlan plan = plan_in_place(sources, file_sizes, max_gap);
   if (!plan.ok) {
     throw std::invalid_argument(

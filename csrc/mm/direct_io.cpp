@@ -255,4 +255,26 @@ void aligned_free_io(void* p) {
   std::free(p);
 }
 
+AlignedBuffer::AlignedBuffer(std::size_t bytes)
+    : data_(static_cast<char*>(
+          aligned_alloc_io(align_up(bytes == 0 ? 1 : bytes, kIoAlign)))),
+      size_(align_up(bytes == 0 ? 1 : bytes, kIoAlign)) {}
+
+AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
+  if (this != &other) {
+    aligned_free_io(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+AlignedBuffer::~AlignedBuffer() {
+  aligned_free_io(data_);
+}
+
 }  // namespace mlx_pager

@@ -91,9 +91,32 @@ class DirectFile {
   std::string path_;
 };
 
-// Memory aligned for direct transfers (posix_memalign); used by the staging
-// pool and by tests. Throws std::bad_alloc.
+// Memory aligned for direct transfers (posix_memalign); used by the heap
+// frame allocator, the swap writer's staging buffer and tests. Throws
+// std::bad_alloc.
 void* aligned_alloc_io(std::size_t n);
 void aligned_free_io(void* p);
+
+// One buffer of memory aligned for direct transfers, allocated once, up
+// front, and freed on destruction (the swap writer's staging memory: sized
+// once, it can never be what exhausts RAM). Move-only.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  // `bytes` rounded up to kIoAlign (at least kIoAlign). Throws std::bad_alloc.
+  explicit AlignedBuffer(std::size_t bytes);
+  AlignedBuffer(AlignedBuffer&& other) noexcept;
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  ~AlignedBuffer();
+
+  char* data() const { return data_; }
+  std::size_t size() const { return size_; }
+
+ private:
+  char* data_ = nullptr;
+  std::size_t size_ = 0;
+};
 
 }  // namespace mlx_pager

@@ -264,14 +264,11 @@ void Pager::start_read_locked(
   // The completion may run before submit() returns; it takes the lock, so
   // the submit happens with the lock released.
   lock.unlock();
-  auto batch = io_.submit(
+  io_.submit(
       std::move(ops),
       [this, id, gen](IoBatch& b) { complete_read(id, gen, b); },
       urgent);
   lock.lock();
-  if (e.read_gen == gen && e.state == PageState::in_flight) {
-    e.io = batch;
-  }
 }
 
 void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
@@ -290,7 +287,6 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
     }
     lock.lock();
   }
-  e.io.reset();
   if (std::exception_ptr err = batch.error()) {
     std::string what;
     try {
@@ -358,32 +354,6 @@ std::uint64_t Pager::set_budget(std::uint64_t bytes) {
   return old;
 }
 
-int Pager::set_readahead(int pages) {
-  int old;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    old = readahead_pages_;
-    readahead_pages_ = std::max(0, pages);
-  }
-  readahead();
-  return old;
-}
-
-bool Pager::set_readahead_aggressive(bool aggressive) {
-  bool old;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    old = std::exchange(aggressive_, aggressive);
-  }
-  readahead();
-  return old;
-}
-
-Policy Pager::set_policy(Policy policy) {
-  std::lock_guard<std::mutex> lock(mu_);
-  return std::exchange(policy_, policy);
-}
-
 std::uint64_t Pager::budget() const {
   std::lock_guard<std::mutex> lock(mu_);
   return budget_;
@@ -421,11 +391,6 @@ VmStat Pager::stats() const {
     }
   }
   return s;
-}
-
-void Pager::reset_peak() {
-  std::lock_guard<std::mutex> lock(mu_);
-  stat_.peak_resident_bytes = charged_now();
 }
 
 }  // namespace mlx_pager

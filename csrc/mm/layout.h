@@ -32,6 +32,9 @@ inline constexpr std::uint64_t kTensorAlign = 256;
 // Alignment tensors read in place are moved to when their file offset lacks
 // it: every MLX dtype's size, and 16-byte vector loads on GPUs.
 inline constexpr std::uint64_t kInPlaceAlign = 16;
+// Largest gap (bytes of other pages) an in-place run reads through rather
+// than starting another request.
+inline constexpr std::uint64_t kMaxReadThroughGap = 1u << 20;
 
 struct TensorSource {
   std::string name;
@@ -62,7 +65,7 @@ struct PagePlan {
 PagePlan plan_in_place(
     const std::vector<TensorSource>& tensors,
     const std::vector<std::uint64_t>& file_sizes,
-    std::uint64_t max_gap = 1u << 20);
+    std::uint64_t max_gap = kMaxReadThroughGap);
 
 // Offsets of tensors packed in a swap-file page, and the page's size on disk.
 struct SwapPageLayout {

@@ -29,6 +29,10 @@
 
 namespace mlx_pager {
 
+// Default size of the pieces a read is split into: large enough for the SSD
+// to stream, small enough that one page keeps several I/O threads busy.
+inline constexpr std::size_t kDefaultIoChunkBytes = 8u << 20;
+
 // One contiguous read. `length` bytes are requested (aligned when the file is
 // in direct mode); the first `required` of them must exist in the file, the
 // rest is alignment padding that may lie past the end of the file.
@@ -87,8 +91,6 @@ class PageIO {
   static std::uint64_t read_now(const ReadOp& op);
 
   void set_fault_injector(FaultInjector f);
-  int threads() const { return static_cast<int>(workers_.size()); }
-  std::size_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
   struct Chunk {

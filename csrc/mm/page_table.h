@@ -22,7 +22,6 @@
 
 #include "mm/direct_io.h"
 #include "mm/frame.h"
-#include "mm/page_io.h"
 
 namespace mlx_pager {
 
@@ -74,7 +73,6 @@ struct PageEntry {
   std::uint64_t read_gen = 0;  // counts reads started, to match completions
   std::uint64_t failed_gen = 0;
   std::string error;           // message of the last failed read
-  std::shared_ptr<IoBatch> io;
 };
 
 class PageTable {
@@ -92,7 +90,6 @@ class PageTable {
   std::size_t num_files() const { return files_.size(); }
   // Throws std::out_of_range naming the page when it is not registered.
   PageId lookup(const std::string& name) const;
-  bool contains(const std::string& name) const { return by_name_.count(name) > 0; }
 
  private:
   std::deque<PageEntry> pages_;  // deque: entries never move

@@ -59,7 +59,7 @@ struct PagerConfig {
   // (readahead.cpp); false: never more reads than MIN on the schedule.
   bool readahead_aggressive = false;
   int io_threads = 4;
-  std::size_t io_chunk_bytes = 8u << 20;
+  std::size_t io_chunk_bytes = kDefaultIoChunkBytes;
   bool direct_io = true;  // false: buffered reads + cache drop (tests)
 };
 
@@ -98,17 +98,13 @@ class Pager {
   // The access order of one step, repeated (or, `repeat` = false, run once).
   // Resets the position to its start.
   void set_schedule(std::vector<PageId> order, bool repeat = true);
-  // Setters return the previous value (MLX style). Lowering the budget
-  // evicts down to it where possible.
+  // Returns the previous budget (MLX style). Lowering the budget evicts down
+  // to it where possible.
   std::uint64_t set_budget(std::uint64_t bytes);
-  int set_readahead(int pages);
-  bool set_readahead_aggressive(bool aggressive);
-  Policy set_policy(Policy policy);
   std::uint64_t budget() const;
 
   // ---- counters ----
   VmStat stats() const;
-  void reset_peak();
   // Test hook: see page_io.h.
   void set_fault_injector(FaultInjector f) { io_.set_fault_injector(std::move(f)); }
 
@@ -159,7 +155,9 @@ class Pager {
   std::uint64_t tick_ = 0;
   std::uint64_t held_bytes_ = 0;  // charged to pages in the table
   std::vector<std::shared_ptr<void>> graveyard_;  // frames to drop unlocked
-  std::chrono::milliseconds zombie_timeout_{2000};
+  // How long make_room waits for evicted memory still referenced outside the
+  // pager before it gives up with a BudgetError.
+  static constexpr std::chrono::milliseconds kZombieTimeout{2000};
   VmStat stat_;
 
   // Last member: destroyed first, so no I/O completion runs on a dead pager.

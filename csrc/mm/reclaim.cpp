@@ -8,6 +8,17 @@
 
 namespace mlx_pager {
 
+namespace {
+
+// How long make_room waits between looks while reads are in flight (they
+// become evictable when they land; completions also notify).
+constexpr std::chrono::milliseconds kInFlightPoll{50};
+// How long it waits at a time for evicted memory still referenced outside
+// the pager to be freed.
+constexpr std::chrono::milliseconds kZombiePoll{10};
+
+}  // namespace
+
 const char* to_string(Policy p) {
   switch (p) {
     case Policy::lru:
@@ -127,7 +138,7 @@ void Pager::make_room_locked(
     auto t0 = std::chrono::steady_clock::now();
     if (any_in_flight) {
       // Reads in flight become evictable pages when they land.
-      cv_.wait_for(lock, std::chrono::milliseconds(50));
+      cv_.wait_for(lock, kInFlightPoll);
       stat_.reclaim_wait_ns += elapsed_ns(t0);
       continue;
     }
@@ -136,11 +147,11 @@ void Pager::make_room_locked(
       // yet freed by MLX). It is freed when the last reference goes; wait a
       // little for that, then give up with a clear message.
       if (zombie_deadline == std::chrono::steady_clock::time_point::max()) {
-        zombie_deadline = t0 + zombie_timeout_;
+        zombie_deadline = t0 + kZombieTimeout;
       }
       if (t0 < zombie_deadline) {
         lock.unlock();
-        acct_->wait_for_free(charged, std::chrono::milliseconds(10));
+        acct_->wait_for_free(charged, kZombiePoll);
         lock.lock();
         stat_.reclaim_wait_ns += elapsed_ns(t0);
         continue;

@@ -10,6 +10,10 @@ namespace mlx_pager {
 
 namespace {
 
+// Longest JSON header accepted: real headers are kilobytes; a larger length
+// field means a corrupt or foreign file, not a header to allocate for.
+constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;
+
 class Json {
  public:
   Json(const std::string& text, const std::string& path)
@@ -192,7 +196,7 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
   for (int i = 7; i >= 0; --i) {
     n = (n << 8) | len_bytes[i];
   }
-  if (n > idx.file_size - 8 || n > (100u << 20)) {
+  if (n > idx.file_size - 8 || n > kMaxHeaderBytes) {
     throw std::runtime_error(
         "[safetensors] " + path + ": header length " + std::to_string(n) +
         " runs past the end of the file (" + std::to_string(idx.file_size) +

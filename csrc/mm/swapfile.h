@@ -5,25 +5,29 @@
 // into a swap file under the user's ssd_cache_dir, laid out for one large
 // aligned read per page (layout.h: plan_swap_page). Space is reserved up front
 // with posix_fallocate so that a full disk fails here with ENOSPC. Writes go
-// through a fixed staging pool (mempool.h) and bypass the page cache.
+// through one staging buffer allocated up front (direct_io.h: AlignedBuffer)
+// and bypass the page cache.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "mm/direct_io.h"
-#include "mm/mempool.h"
 
 namespace mlx_pager {
+
+// Default size of the swap writer's staging buffer: large enough that each
+// direct write is a large sequential request.
+inline constexpr std::size_t kDefaultStagingBytes = 8u << 20;
 
 class SwapWriter {
  public:
   // Creates `path` with `reserve_bytes` reserved. `staging_bytes` is the size
-  // of the one staging buffer (a multiple of kIoAlign).
+  // of the staging buffer (rounded up to kIoAlign).
   SwapWriter(
       const std::string& path,
       std::uint64_t reserve_bytes,
-      std::size_t staging_bytes = 8u << 20,
+      std::size_t staging_bytes = kDefaultStagingBytes,
       bool want_direct = true);
   SwapWriter(const SwapWriter&) = delete;
   SwapWriter& operator=(const SwapWriter&) = delete;
@@ -38,14 +42,12 @@ class SwapWriter {
   // Flushes, trims the file to what was written (padded to kIoAlign) and
   // syncs it to the device. Returns the file size.
   std::uint64_t finish();
-  IoMode mode() const { return file_.mode(); }
 
  private:
   void flush_full();
 
   DirectFile file_;
-  MemPool pool_;
-  MemPool::Buffer buf_;
+  AlignedBuffer buf_;
   std::size_t fill_ = 0;          // bytes in buf_
   std::uint64_t buf_offset_ = 0;  // file offset of buf_[0]
   std::uint64_t pos_ = 0;         // logical end of what was written

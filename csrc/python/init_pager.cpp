@@ -79,7 +79,7 @@ void init_pager(nb::module_& m) {
              new (self) TensorPager(c);
            },
            "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2,
-           "io_threads"_a = 4, "io_chunk_bytes"_a = 8u << 20, "direct_io"_a = true,
+           "io_threads"_a = 4, "io_chunk_bytes"_a = kDefaultIoChunkBytes, "direct_io"_a = true,
            "readahead_mode"_a = "conservative")
       .def("add_page_in_place",
            [](TensorPager& tp, const std::string& name,
@@ -131,7 +131,6 @@ void init_pager(nb::module_& m) {
              nb::gil_scoped_release unlocked;
              tp.pager().pin(id);
            }, "page"_a)
-      .def("unpin", [](TensorPager& tp, nb::handle page) { tp.pager().unpin(page_id(tp, page)); }, "page"_a)
       .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
       .def("set_schedule",
            [](TensorPager& tp, const std::vector<PageId>& order, bool repeat) {
@@ -139,25 +138,11 @@ void init_pager(nb::module_& m) {
            },
            "order"_a, "repeat"_a = true)
       .def("set_budget", [](TensorPager& tp, std::uint64_t b) { return tp.pager().set_budget(b); }, "bytes"_a)
-      .def("set_readahead", [](TensorPager& tp, int n) { return tp.pager().set_readahead(n); }, "pages"_a)
-      .def("set_policy",
-           [](TensorPager& tp, const std::string& p) {
-             return std::string(to_string(tp.pager().set_policy(policy_from_string(p))));
-           }, "policy"_a)
       .def_prop_ro("budget", [](const TensorPager& tp) { return tp.pager().budget(); })
-      .def_prop_ro("num_pages", [](const TensorPager& tp) { return tp.pager().num_pages(); })
       .def("lookup", [](const TensorPager& tp, const std::string& n) { return tp.pager().lookup(n); }, "name"_a)
       .def("page_name", [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).name; }, "page"_a)
       .def("page_bytes",
            [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; }, "page"_a,
            "Bytes of the page's frame in memory.")
-      .def("page_read_bytes",
-           [](const TensorPager& tp, PageId id) {
-             std::uint64_t n = 0;
-             for (auto& x : tp.pager().spec(id).extents) n += x.length;
-             return n;
-           }, "page"_a, "Bytes one read of the page transfers.")
-      .def("state", [](const TensorPager& tp, PageId id) { return std::string(to_string(tp.pager().state(id))); }, "page"_a)
-      .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); })
-      .def("reset_peak", [](TensorPager& tp) { tp.pager().reset_peak(); });
+      .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); });
 }

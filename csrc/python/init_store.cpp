@@ -39,14 +39,12 @@ void init_store(nb::module_& m) {
 
   nb::class_<SwapWriter>(m, "SwapWriter", "Writes pages into a swap file (csrc/mm/swapfile.h).")
       .def(nb::init<const std::string&, std::uint64_t, std::size_t, bool>(),
-           "path"_a, "reserve_bytes"_a, "staging_bytes"_a = 8u << 20, "direct_io"_a = true)
+           "path"_a, "reserve_bytes"_a, "staging_bytes"_a = kDefaultStagingBytes, "direct_io"_a = true)
       .def("write_page",
            [](SwapWriter& w, const std::vector<mx::array>& arrays) {
              nb::gil_scoped_release unlocked;
              return write_swap_page(w, arrays);
            },
            "arrays"_a, "Appends a page of arrays; returns its offset in the file.")
-      .def("finish", &SwapWriter::finish)
-      .def_prop_ro("position", &SwapWriter::position)
-      .def_prop_ro("mode", [](const SwapWriter& w) { return std::string(to_string(w.mode())); });
+      .def("finish", &SwapWriter::finish);
 }

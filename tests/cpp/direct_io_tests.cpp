@@ -85,3 +85,15 @@ TEST_CASE("direct_io: create_write reserves space up front") {
       DirectFile::create_write(check::temp_dir() + "/no/such/dir/x.bin", 10),
       "no/such/dir");
 }
+
+TEST_CASE("direct_io: an aligned buffer is aligned, rounded up and movable") {
+  AlignedBuffer a(5000);
+  CHECK_EQ(a.size(), 2 * kIoAlign);
+  CHECK(reinterpret_cast<std::uintptr_t>(a.data()) % kIoAlign == 0);
+  char* p = a.data();
+  AlignedBuffer b(std::move(a));
+  CHECK(b.data() == p);
+  CHECK(a.data() == nullptr);
+  b = AlignedBuffer(0);
+  CHECK_EQ(b.size(), kIoAlign);
+}
