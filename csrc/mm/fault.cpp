@@ -1,5 +1,5 @@
-// fault.cpp: the fault path (cf. Linux mm/memory.c) and the pager's
-// bookkeeping around it.
+// fault.cpp: the fault path (cf. Linux mm/memory.c): acquire, release, and
+// the start and completion of page reads.
 //
 // acquire(p):
 //   resident  -> hit (or readahead hit), refs++
@@ -13,96 +13,9 @@
 #include <exception>
 #include <utility>
 
-#include "mm/mlock.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
-
-void Pager::Accounting::sub(std::uint64_t n) {
-  charged -= n;
-  {
-    // Taking the lock orders this notify after a waiter's predicate check.
-    std::lock_guard<std::mutex> lock(mu);
-  }
-  cv.notify_all();
-}
-
-void Pager::Accounting::wait_for_free(
-    std::uint64_t seen,
-    std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait_for(lock, timeout, [&] { return charged.load() < seen; });
-}
-
-std::uint64_t Pager::elapsed_ns(std::chrono::steady_clock::time_point t0) {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::steady_clock::now() - t0)
-          .count());
-}
-
-Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
-    : config_(config),
-      allocator_(std::move(allocator)),
-      acct_(std::make_shared<Accounting>()),
-      budget_(config.budget_bytes),
-      policy_(config.policy),
-      readahead_pages_(std::max(0, config.readahead_pages)),
-      aggressive_(config.readahead_aggressive),
-      io_(config.io_threads, config.io_chunk_bytes) {
-  if (!allocator_) {
-    throw std::invalid_argument("[Pager] needs a frame allocator");
-  }
-}
-
-Pager::~Pager() = default;
-
-FileId Pager::add_file(const std::string& path) {
-  std::lock_guard<std::mutex> lock(mu_);
-  FileId id = table_.add_file(path, config_.direct_io);
-  stat_.direct_files = stat_.buffered_files = 0;
-  for (FileId f = 0; f < table_.num_files(); ++f) {
-    if (table_.file(f).mode() == IoMode::buffered_drop) {
-      ++stat_.buffered_files;
-    } else {
-      ++stat_.direct_files;
-    }
-  }
-  return id;
-}
-
-PageId Pager::add_page(PageSpec spec) {
-  std::lock_guard<std::mutex> lock(mu_);
-  PageId id = table_.add_page(std::move(spec));
-  // The schedule's per-page index must cover the new page.
-  schedule_ = Schedule(schedule_.order(), table_.size(), schedule_.repeats());
-  return id;
-}
-
-PageId Pager::lookup(const std::string& name) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return table_.lookup(name);
-}
-
-std::size_t Pager::num_pages() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return table_.size();
-}
-
-const PageSpec& Pager::spec(PageId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return table_.at(id).spec;  // specs never change once registered
-}
-
-PageState Pager::state(PageId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return table_.at(id).state;
-}
-
-IoMode Pager::file_mode(FileId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return table_.file(id).mode();
-}
 
 void Pager::advance_cursor_locked(PageId id) {
   if (schedule_.empty()) {
@@ -129,7 +42,7 @@ Frame Pager::acquire(PageId id) {
       }
       e.prefetched = false;
       ++e.refs;
-      e.last_access = ++tick_;
+      e.last_access = ++access_clock_;
       Frame f = e.frame;
       lock.unlock();
       readahead();
@@ -173,40 +86,6 @@ void Pager::release(PageId id) {
   readahead();
 }
 
-void Pager::pin(PageId id) {
-  Frame f = acquire(id);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    PageEntry& e = table_.at(id);
-    if (!e.pinned) {
-      e.pinned = true;
-      e.mlocked = lock_memory(f.data, f.size);
-    }
-    --e.refs;
-  }
-}
-
-void Pager::unpin(PageId id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  PageEntry& e = table_.at(id);
-  if (e.pinned && e.mlocked && e.frame.data) {
-    unlock_memory(e.frame.data, e.frame.size);
-  }
-  e.pinned = false;
-  e.mlocked = false;
-}
-
-void Pager::evict_all() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (PageId id = 0; id < table_.size(); ++id) {
-    const PageEntry& e = table_.at(id);
-    if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
-      evict_locked(id);
-    }
-  }
-  bury(lock);
-}
-
 void Pager::start_read_locked(
     std::unique_lock<std::mutex>& lock,
     PageId id,
@@ -221,7 +100,7 @@ void Pager::start_read_locked(
   if (e.state != PageState::on_disk) {
     return;
   }
-  acct_->add(need);
+  accounting_->add(need);
   held_bytes_ += need;
   e.charged = need;
   e.state = PageState::in_flight;
@@ -234,7 +113,7 @@ void Pager::start_read_locked(
   Frame frame;
   std::exception_ptr alloc_error;
   try {
-    auto acct = acct_;
+    auto acct = accounting_;
     frame = allocator_->allocate(
         e.spec.frame_bytes, [acct, need] { acct->sub(need); });
   } catch (...) {
@@ -242,7 +121,7 @@ void Pager::start_read_locked(
   }
   lock.lock();
   if (alloc_error) {
-    acct_->sub(need);
+    accounting_->sub(need);
     held_bytes_ -= need;
     e.charged = 0;
     e.state = PageState::on_disk;
@@ -320,77 +199,12 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
     e.prefetched = false;
   } else {
     e.state = PageState::resident;
-    e.last_access = ++tick_;
+    e.last_access = ++access_clock_;
     ++stat_.pages_read;
     stat_.bytes_read += batch.bytes_read();
   }
   cv_.notify_all();
-  bury(lock);
-}
-
-void Pager::set_schedule(std::vector<PageId> order, bool repeat) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    schedule_ = Schedule(std::move(order), table_.size(), repeat);
-    cursor_ = 0;
-  }
-  readahead();
-}
-
-std::uint64_t Pager::set_budget(std::uint64_t bytes) {
-  std::unique_lock<std::mutex> lock(mu_);
-  std::uint64_t old = budget_;
-  budget_ = bytes;
-  // Shrink: evict what nobody holds until the new budget holds (best effort;
-  // pages in use and pinned pages stay and are evicted as they are released).
-  while (charged_now() > budget_) {
-    auto cands = evictable_locked();
-    if (cands.empty()) {
-      break;
-    }
-    evict_locked(cands[choose_victim(policy_, cands)].id);
-    bury(lock);
-  }
-  return old;
-}
-
-std::uint64_t Pager::budget() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return budget_;
-}
-
-std::uint64_t Pager::pinned_bytes_locked() const {
-  std::uint64_t n = 0;
-  for (PageId id = 0; id < table_.size(); ++id) {
-    if (table_.at(id).pinned) {
-      n += table_.at(id).charged;
-    }
-  }
-  return n;
-}
-
-void Pager::note_peak_locked() {
-  stat_.peak_resident_bytes =
-      std::max(stat_.peak_resident_bytes, charged_now());
-}
-
-VmStat Pager::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  VmStat s = stat_;
-  s.resident_bytes_now = charged_now();
-  s.peak_resident_bytes = std::max(s.peak_resident_bytes, s.resident_bytes_now);
-  for (PageId id = 0; id < table_.size(); ++id) {
-    const PageEntry& e = table_.at(id);
-    s.resident_pages_now += e.state == PageState::resident;
-    s.in_flight_pages_now += e.state == PageState::in_flight;
-    if (e.pinned) {
-      s.pinned_bytes_now += e.charged;
-      if (e.mlocked) {
-        s.mlocked_bytes_now += e.charged;
-      }
-    }
-  }
-  return s;
+  drop_graveyard_unlocked(lock);
 }
 
 }  // namespace mlx_pager

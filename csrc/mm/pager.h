@@ -127,21 +127,21 @@ class Pager {
   // reclaim.cpp
   std::vector<Candidate> evictable_locked() const;
   void evict_locked(PageId id);
-  void bury(std::unique_lock<std::mutex>& lock);
+  void drop_graveyard_unlocked(std::unique_lock<std::mutex>& lock);
   void make_room_locked(
       std::unique_lock<std::mutex>& lock, std::uint64_t need, PageId for_page);
-  std::uint64_t charged_now() const;
   // readahead.cpp
   void readahead();
   bool readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id);
-
+  // pager.cpp
+  std::uint64_t charged_now() const;
   std::uint64_t pinned_bytes_locked() const;
   void note_peak_locked();
   static std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0);
 
   PagerConfig config_;
   std::shared_ptr<FrameAllocator> allocator_;
-  std::shared_ptr<Accounting> acct_;
+  std::shared_ptr<Accounting> accounting_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;  // page state changes
@@ -151,8 +151,8 @@ class Pager {
   std::uint64_t budget_;
   Policy policy_;
   int readahead_pages_;
-  bool aggressive_;
-  std::uint64_t tick_ = 0;
+  bool readahead_aggressive_;
+  std::uint64_t access_clock_ = 0;
   std::uint64_t held_bytes_ = 0;  // charged to pages in the table
   std::vector<std::shared_ptr<void>> graveyard_;  // frames to drop unlocked
   // How long make_room waits for evicted memory still referenced outside the

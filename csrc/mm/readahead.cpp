@@ -91,7 +91,7 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
       return false;
     }
     std::size_t pick = choose_victim(policy_, cands);
-    if (aggressive_ && (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when)) {
+    if (readahead_aggressive_ && (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when)) {
       // Aggressive mode: MIN's choice is busy, so take the best victim that
       // is evictable now and not needed before this page. It may cost a
       // read MIN would not make, and buys overlap when the budget is small.
@@ -105,7 +105,7 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
         return false;
       }
       evict_locked(ok[choose_victim(policy_, ok)].id);
-      bury(lock);
+      drop_graveyard_unlocked(lock);
       continue;
     }
     const Candidate& v = cands[pick];
@@ -113,7 +113,7 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
       return false;  // not evictable yet, or needed no later than this page
     }
     evict_locked(v.id);
-    bury(lock);
+    drop_graveyard_unlocked(lock);
   }
 }
 

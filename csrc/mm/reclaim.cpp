@@ -89,7 +89,18 @@ void Pager::evict_locked(PageId id) {
   ++stat_.evictions;
 }
 
-void Pager::bury(std::unique_lock<std::mutex>& lock) {
+void Pager::evict_all() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (PageId id = 0; id < table_.size(); ++id) {
+    const PageEntry& e = table_.at(id);
+    if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
+      evict_locked(id);
+    }
+  }
+  drop_graveyard_unlocked(lock);
+}
+
+void Pager::drop_graveyard_unlocked(std::unique_lock<std::mutex>& lock) {
   if (graveyard_.empty()) {
     return;
   }
@@ -100,10 +111,6 @@ void Pager::bury(std::unique_lock<std::mutex>& lock) {
   lock.unlock();
   dead.clear();
   lock.lock();
-}
-
-std::uint64_t Pager::charged_now() const {
-  return acct_->charged.load();
 }
 
 void Pager::make_room_locked(
@@ -126,7 +133,7 @@ void Pager::make_room_locked(
     auto cands = evictable_locked();
     if (!cands.empty()) {
       evict_locked(cands[choose_victim(policy_, cands)].id);
-      bury(lock);
+      drop_graveyard_unlocked(lock);
       continue;
     }
     bool any_in_flight = false;
@@ -151,7 +158,7 @@ void Pager::make_room_locked(
       }
       if (t0 < zombie_deadline) {
         lock.unlock();
-        acct_->wait_for_free(charged, kZombiePoll);
+        accounting_->wait_for_free(charged, kZombiePoll);
         lock.lock();
         stat_.reclaim_wait_ns += elapsed_ns(t0);
         continue;
