@@ -1,0 +1,485 @@
+"""Paged generation: mlx-lm's generate and stream_generate, the frozen weights
+paged from the SSD under the same memory budget as training.
+
+    from mlx_lm import generate
+    from mlx_pager.generate import load_paged
+    model, tokenizer = load_paged("path/to/model", adapter_path="adapters",
+                                  memory_budget="8GB", ssd_cache_dir="/tmp/mlx-pager-cache")
+    print(generate(model, tokenizer, "hello", max_tokens=100))
+
+``load_paged`` loads the model as ``mlx_lm.load(path, adapter_path=...)``
+does (adapters applied by mlx-lm's own ``load_adapters``, resident), hands its
+frozen weights to the pager (store.py) and returns a ``PagedModel``: an object
+that mlx-lm's generation functions call like the model itself
+(``model(tokens, cache=cache)``), which runs the forward pass block by block:
+
+  record   the model's own ``__call__`` with recording stand-ins for its
+           blocks (step.py): the embedding output and each block's call
+           arguments (mask, its KV cache), for any architecture that calls
+           the blocks of ``model.layers`` in order;
+  blocks   for each block i: page it in, run it on the whole input (a prompt
+           chunk: layer-major, one read of the block per chunk; or the one
+           token of a decode step), evaluate its output AND its cache state,
+           page it out. Only the pages the budget allows are ever in memory;
+  head     the model's ``__call__`` again with the last block replaced by a
+           stand-in returning the last hidden state: final norm, LM head and
+           softcapping are the model's own; the logits stay lazy, as mlx-lm
+           expects (prefill chunks' logits are never computed).
+
+The pager's schedule is the cyclic order of the blocks, repeating: every
+prompt chunk and every decode step sweeps them in order, so Belady's MIN
+keeps about k-1 of the k pages the budget holds resident from one token to
+the next (LRU keeps none on a cyclic order) and reads the rest each token;
+readahead starts a read as soon as MIN would allow it.
+
+The memory plan (budget.py's MemoryPlan) holds the process baseline, the
+resident page, the adapters, the KV cache (sized from the model config for
+the tokens to be held, grown, with the page budget shrunk, when a call needs
+more) and one prompt chunk's working set; the pages get what is left. The
+governor (governor.py) checks the process's RSS after every block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from . import step as S
+from .budget import BudgetError, MemoryPlan, format_size, parse_size
+from .governor import Governor, process_rss, return_freed_memory_to_os
+from .layers import BlockList
+from .store import PagedWeights
+
+KV_STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many tokens
+DEFAULT_KV_TOKENS = 2048  # reserved at load time; grown on demand
+
+
+class ModelNotFound(FileNotFoundError):
+    """The model (or adapter) path does not exist; the message says what to pass."""
+
+
+# ------------------------------------------------------------ sizing helpers --
+def _config_get(config: dict, *names, default=None):
+    for c in (config, config.get("text_config") or {}):
+        for n in names:
+            if c.get(n) is not None:
+                return c[n]
+    return default
+
+
+def kv_bytes_per_token(config: dict, itemsize: int) -> int:
+    """Bytes of keys and values one token adds to the cache, over all layers
+    (standard multi-head / grouped-query attention; an upper bound for
+    models that cache less, e.g. sliding-window layers)."""
+    layers = int(_config_get(config, "num_hidden_layers", "n_layer", default=32))
+    heads = int(_config_get(config, "num_attention_heads", "n_head", default=32))
+    kv_heads = int(_config_get(config, "num_key_value_heads", default=heads))
+    hidden = int(_config_get(config, "hidden_size", "d_model", default=4096))
+    head_dim = int(_config_get(config, "head_dim", default=hidden // max(1, heads)) or hidden // heads)
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def kv_cache_bytes(config: dict, itemsize: int, tokens: int) -> int:
+    """The KV cache for `tokens` tokens as mlx-lm allocates it (buffers grown
+    in steps of 256 tokens), plus one layer's copy while a buffer grows."""
+    cap = KV_STEP * math.ceil(max(1, tokens) / KV_STEP)
+    per_layer = kv_bytes_per_token(config, itemsize) // max(1, int(_config_get(config, "num_hidden_layers", default=1)))
+    return kv_bytes_per_token(config, itemsize) * cap + per_layer * (cap + KV_STEP)
+
+
+def chunk_working_set(config: dict, tokens: int, context: int) -> int:
+    """A conservative estimate of one block's working set for a chunk of
+    `tokens` new tokens attending over `context` tokens (float32 at worst):
+    hidden- and MLP-sized temporaries and the attention scores."""
+    d = int(_config_get(config, "hidden_size", default=4096))
+    f = int(_config_get(config, "intermediate_size", default=4 * d))
+    heads = int(_config_get(config, "num_attention_heads", default=32))
+    vocab = int(_config_get(config, "vocab_size", default=32000))
+    return tokens * (16 * d + 6 * f) * 4 + 2 * heads * tokens * max(context, tokens) * 4 + 4 * vocab * 4
+
+
+def min_reads_per_sweep(footprints: List[int], page_budget: int, sweeps: int = 6) -> int:
+    """Bytes Belady's MIN reads per sweep of the blocks in steady state, for
+    a cyclic schedule (every prompt chunk and decode step sweeps the blocks
+    in order), each page charged its footprint against the byte budget."""
+    n = len(footprints)
+    seq = list(range(n)) * sweeps
+
+    def read(seq):
+        nxt, last = [0] * len(seq), {}
+        for t in range(len(seq) - 1, -1, -1):
+            nxt[t] = last.get(seq[t], 10**9 + t)
+            last[seq[t]] = t
+        cache, used, total = {}, 0, 0
+        for t, pg in enumerate(seq):
+            if pg not in cache:
+                total += footprints[pg]
+                while cache and used + footprints[pg] > page_budget:
+                    victim = max(cache, key=cache.get)
+                    used -= footprints[victim]
+                    del cache[victim]
+                used += footprints[pg]
+            cache[pg] = nxt[t]
+        return total
+
+    return read(seq) - read(seq[: n * (sweeps - 1)])
+
+
+# ------------------------------------------------------------- the model --
+@dataclass
+class CallStats:
+    """One call of the paged model: a prompt chunk (tokens > 1) or a decode step."""
+
+    tokens: int
+    seconds: float
+    bytes_read: int
+    pages_read: int
+
+
+@dataclass
+class PagedGeneration:
+    """What the paged model did so far (see PagedModel.summary)."""
+
+    calls: List[CallStats] = field(default_factory=list)
+
+
+def _cache_arrays(args, kwargs) -> list:
+    """The arrays of every cache object among a block's call arguments, so
+    that its update is evaluated while the block's weights are in memory."""
+    out = []
+    for v in list(args) + list(kwargs.values()):
+        if v is None or isinstance(v, (mx.array, str, int, float, bool)):
+            continue
+        state = getattr(v, "state", None)
+        if state is not None:
+            out.extend(a for _, a in tree_flatten(state) if isinstance(a, mx.array))
+    return out
+
+
+def _offset(cache) -> int:
+    if not cache:
+        return 0
+    return max((int(getattr(c, "offset", 0) or 0) for c in cache), default=0)
+
+
+class PagedModel:
+    """An mlx-lm model whose blocks are paged: call it as the model
+    (``model(tokens, cache=cache, **kwargs)``), pass it to
+    ``mlx_lm.generate`` / ``mlx_lm.stream_generate``. Every other attribute
+    (``layers``, ``make_cache``, ``args``, ...) is the wrapped model's."""
+
+    def __init__(self, model: nn.Module, weights: PagedWeights, plan: MemoryPlan, config: dict,
+                 act_itemsize: int, prefill_step_size: int, kv_tokens: int,
+                 page_budget: Optional[int] = None):
+        self.model = model
+        self.weights = weights
+        self.plan = plan
+        self.config = config
+        self.act_itemsize = act_itemsize
+        self.blocks = BlockList(model).blocks()
+        self.stats = PagedGeneration()
+        self.requested_chunk = max(1, int(prefill_step_size))
+        self.prefill_chunk = self.requested_chunk
+        self.kv_tokens = 0
+        self.gov: Optional[Governor] = None
+        # Benchmarks and tests: exactly this many bytes of pages besides the
+        # rest of the plan (the memory budget follows from it).
+        self.fixed_page_budget = None if page_budget is None else int(page_budget)
+        self._pinned = weights.resident_bytes + _io_align()
+        self.reserve(kv_tokens)  # sizes KV cache and prompt chunk, checks the budget
+        self.gov = Governor(plan, weights.pager, pinned_bytes=self._pinned)
+        weights.pager.set_budget(int(self._pinned + plan.page_budget))
+
+    def __getattr__(self, name):
+        # Only called for attributes not found on PagedModel itself.
+        if name in ("model", "__setstate__"):
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    # ------------------------------------------------------------ budget --
+    def reserve(self, kv_tokens: int, prefill_step_size: Optional[int] = None) -> None:
+        """Sizes the plan for a KV cache of `kv_tokens` tokens and prompt
+        chunks of at most `prefill_step_size` tokens (shrunk to fit), and
+        sets the page budget to what is left. Raises BudgetError, naming the
+        minimum, when one block page no longer fits."""
+        if prefill_step_size is not None:
+            self.requested_chunk = max(1, int(prefill_step_size))
+        p = self.plan
+        kv = kv_cache_bytes(self.config, self.act_itemsize, kv_tokens)
+        # The prompt chunk may use a quarter of what is left after the rest
+        # (and never less than it needs for 16 tokens): pages come first.
+        free = p.budget - (p.baseline + p.resident + p.trainable + p.slack + kv)
+        allowance = max(p.max_page, free // 4)
+        chunk = self.requested_chunk
+        while (self.fixed_page_budget is None and chunk > 16
+               and chunk_working_set(self.config, chunk, kv_tokens) > allowance):
+            chunk //= 2
+        p.activations = kv + chunk_working_set(self.config, chunk, kv_tokens)
+        if self.fixed_page_budget is not None:
+            p.budget = p.fixed + self.fixed_page_budget
+        if p.page_budget < p.max_page:
+            need = p.fixed + p.max_page
+            raise BudgetError(
+                f"--memory-budget {format_size(p.budget)} is too small to generate with this model: "
+                f"it needs at least {format_size(need)} (one block page {format_size(p.max_page)} + "
+                f"resident set (embeddings, norm, head) {format_size(p.resident)} + adapters "
+                f"{format_size(p.trainable)} + KV cache for {kv_tokens} tokens {format_size(kv)} + "
+                f"a {chunk}-token prompt chunk {format_size(p.activations - kv)} + process "
+                f"{format_size(p.baseline)} + slack {format_size(p.slack)}). Raise it to "
+                f"{format_size(need * 1.05)} or more, or lower --max-tokens or the prompt length."
+            )
+        self.kv_tokens, self.prefill_chunk = kv_tokens, chunk
+        if self.gov is not None:
+            self.weights.pager.set_budget(int(self._pinned + p.page_budget))
+
+    @property
+    def page_budget(self) -> int:
+        return self.plan.page_budget
+
+    # ------------------------------------------------------------ forward --
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        T = inputs.shape[1]
+        need = _offset(cache) + T
+        if cache is not None and need > self.kv_tokens:
+            self.reserve(KV_STEP * math.ceil(need / KV_STEP))
+        if T <= self.prefill_chunk:
+            return self._forward(inputs, cache, kwargs)
+        # A prompt longer than the planned chunk: chunk by chunk, each
+        # chunk through all blocks (its logits stay lazy, as mlx-lm leaves
+        # a prefill's logits unevaluated).
+        emb = kwargs.pop("input_embeddings", None)
+        parts = []
+        for t0 in range(0, T, self.prefill_chunk):
+            t1 = min(T, t0 + self.prefill_chunk)
+            kw = dict(kwargs)
+            if emb is not None:
+                kw["input_embeddings"] = emb[:, t0:t1]
+            parts.append(self._forward(inputs[:, t0:t1], cache, kw))
+        return mx.concatenate(parts, axis=1)
+
+    def _forward(self, inputs, cache, kwargs) -> mx.array:
+        model, L = self.model, len(self.blocks)
+        pager = self.weights.pager
+        before = pager.stats()
+        tic = time.perf_counter()
+        calls: list = [None] * L
+        with S.stand_ins(model, lambda i, l: S._Record(l, i, calls)):
+            model(inputs, cache=cache, **kwargs)  # its logits are never evaluated
+        missing = [i for i, c in enumerate(calls) if c is None]
+        if missing:
+            raise NotImplementedError(
+                f"the model did not call blocks {missing} of model.layers in its forward pass; "
+                "mlx-pager pages models that call their blocks in order"
+            )
+        h = calls[0][0]
+        for i in range(L):
+            _, args, kw = calls[i]
+            self.weights.bind(i)
+            try:
+                h = S.run_block(self.blocks[i], h, (args, kw))
+                mx.eval(h, _cache_arrays(args, kw))
+            finally:
+                self.weights.unbind(i)
+            del args, kw
+            calls[i] = None
+            self.gov.check()
+        with S.stand_ins(model, lambda i, l: S._Emit(l, h) if i == L - 1 else S._Pass(l)):
+            logits = model(inputs, cache=cache, **kwargs)
+        after = pager.stats()
+        self.stats.calls.append(CallStats(
+            inputs.shape[1], time.perf_counter() - tic,
+            after["bytes_read"] - before["bytes_read"], after["pages_read"] - before["pages_read"],
+        ))
+        return logits
+
+    # ------------------------------------------------------------ reports --
+    def min_bytes_per_token(self) -> int:
+        """Belady's minimum of bytes read per decode step for the page budget."""
+        fps = [self.weights.page_bytes(i) + _io_align() for i in range(self.weights.num_blocks)]
+        return min_reads_per_sweep(fps, self.plan.page_budget)
+
+    def summary(self, read_rate: Optional[float] = None, skip: int = 1) -> dict:
+        """Prefill and decode figures from the calls so far (decode: one-token
+        calls after the first `skip`, which warm the pages up)."""
+        prefill = [c for c in self.stats.calls if c.tokens > 1]
+        decode = [c for c in self.stats.calls if c.tokens == 1][skip:]
+        out = {
+            "paged_bytes": self.weights.paged_bytes,
+            "page_budget": self.plan.page_budget,
+            "memory_budget": self.plan.budget,
+            "prefill_tokens": sum(c.tokens for c in prefill),
+            "prefill_s": sum(c.seconds for c in prefill),
+            "prefill_bytes": sum(c.bytes_read for c in prefill),
+            "decode_tokens": len(decode),
+            "decode_s": sum(c.seconds for c in decode),
+            "decode_bytes": sum(c.bytes_read for c in decode),
+            "min_bytes_per_token": self.min_bytes_per_token(),
+            "peak_rss": self.gov.peak_rss if self.gov else process_rss(),
+        }
+        out["decode_bytes_per_token"] = out["decode_bytes"] / max(1, len(decode))
+        out["decode_s_per_token"] = out["decode_s"] / max(1, len(decode))
+        if read_rate:
+            out["read_rate"] = read_rate
+            out["bound_s_per_token"] = out["min_bytes_per_token"] / read_rate
+        return out
+
+
+def _io_align() -> int:
+    from ._core import IO_ALIGN
+
+    return int(IO_ALIGN)
+
+
+# --------------------------------------------------------------- loading --
+def _looks_like_path(s: str) -> bool:
+    return s.startswith(("/", "./", "../", "~")) or s.count("/") != 1
+
+
+def resolve_model_path(model: str) -> Path:
+    """The local directory of `model`, or ModelNotFound with what to pass."""
+    p = Path(model).expanduser()
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").exists():
+            raise ModelNotFound(
+                f"--model {model} is not an mlx-lm model directory (no config.json in it): "
+                "point --model at a directory with config.json and model*.safetensors"
+            )
+        return p
+    if _looks_like_path(model):
+        raise ModelNotFound(
+            f"--model {model}: no such directory. Pass a local mlx-lm model directory "
+            "(make a test one with `mlx-pager make-model DIR`) or a Hugging Face repo id"
+        )
+    try:
+        from mlx_lm.utils import _download
+
+        return Path(_download(model))
+    except Exception as e:  # offline, unknown repo, ...
+        raise ModelNotFound(
+            f"--model {model}: not a local directory, and it could not be fetched from the "
+            f"Hugging Face hub ({type(e).__name__}). Pass a local mlx-lm model directory."
+        ) from e
+
+
+def _check_adapter_path(adapter_path) -> Path:
+    p = Path(adapter_path).expanduser()
+    for f in ("adapter_config.json", "adapters.safetensors"):
+        if not (p / f).exists():
+            raise ModelNotFound(
+                f"--adapter-path {adapter_path}: no {f} there. Pass the directory "
+                "mlx-pager lora / mlx_lm.lora wrote (adapter_config.json + adapters.safetensors)"
+            )
+    return p
+
+
+def measure_read_rate(weights: PagedWeights, max_bytes: int = 256 << 20) -> float:
+    """The pager's own read rate (bytes/s) on the model's pages: whole pages
+    read one after another with its I/O threads, chunk size and direct I/O,
+    nothing else running. Call before the pages are scheduled."""
+    pager = weights.pager
+    old = pager.set_readahead(0)
+    done, secs = 0, 0.0
+    try:
+        for i in range(weights.num_blocks):
+            pid = weights.page_ids[i]
+            b0 = pager.stats()["bytes_read"]
+            t = time.perf_counter()
+            arrays = pager.acquire(pid)
+            secs += time.perf_counter() - t
+            pager.release(pid)
+            del arrays
+            done += pager.stats()["bytes_read"] - b0
+            if done >= max_bytes:
+                break
+        pager.evict_all()
+    finally:
+        pager.set_readahead(old)
+    return done / secs if secs > 0 else float("inf")
+
+
+def load_paged(
+    model_path: str,
+    adapter_path: Optional[str] = None,
+    memory_budget=None,
+    ssd_cache_dir: Optional[str] = None,
+    *,
+    max_kv_tokens: int = DEFAULT_KV_TOKENS,
+    prefill_step_size: int = 2048,
+    store: str = "auto",
+    policy: str = "optimal",
+    readahead: Optional[int] = None,
+    readahead_mode: str = "conservative",
+    io_threads: int = 4,
+    direct_io: bool = True,
+    tokenizer_config: Optional[dict] = None,
+    trust_remote_code: bool = False,
+    measure_read: bool = False,
+    page_budget: Optional[int] = None,
+    progress=None,
+):
+    """Loads `model_path` (a local mlx-lm model directory or hub id) for
+    generation within `memory_budget` (e.g. "8GB"; default 80% of RAM), with
+    the adapters in `adapter_path` applied as mlx_lm.load applies them.
+
+    Returns (PagedModel, TokenizerWrapper), for mlx_lm.generate /
+    stream_generate. `max_kv_tokens` is the KV cache reserved up front (it
+    grows on demand, shrinking the page budget); prompts are processed in
+    chunks of at most `prefill_step_size` tokens, fewer if the budget needs
+    it (``paged.prefill_chunk``). `readahead` defaults to the number of
+    blocks. With `measure_read`, ``paged.read_rate`` is the pager's measured
+    read rate (bytes/s), for the bound on decode time. `page_budget` (bytes;
+    benchmarks and tests) replaces `memory_budget` by the plan's fixed part
+    plus exactly that much for pages."""
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    return_freed_memory_to_os()
+    budget = parse_size(memory_budget) if memory_budget is not None else _default_budget()
+    path = resolve_model_path(str(model_path))
+    if adapter_path is not None:
+        adapter_path = _check_adapter_path(adapter_path)
+    model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(path, dict(tokenizer_config or {}, trust_remote_code=trust_remote_code),
+                               eos_token_ids=config.get("eos_token_id", None))
+    model.freeze()
+    L = len(BlockList(model).blocks())
+    weights = PagedWeights(
+        model, path, budget_bytes=1 << 62, ssd_cache_dir=ssd_cache_dir, store=store,
+        pager_options=dict(policy=policy, readahead=L if readahead is None else readahead,
+                           io_threads=io_threads, direct_io=direct_io, readahead_mode=readahead_mode),
+        progress=progress,
+    )
+    if adapter_path is not None:
+        load_adapters(model, str(adapter_path))  # mlx-lm's own: LoRA/DoRA layers + weights
+    model.eval()
+    adapters = [v for _, v in tree_flatten(model.trainable_parameters())]
+    mx.eval(adapters)
+    act = next((s.placeholder.dtype for s in weights.slots[weights.resident_id]
+                if mx.issubdtype(s.placeholder.dtype, mx.floating)), mx.float32)
+    max_page = weights.max_page_bytes + _io_align()
+    plan = MemoryPlan(
+        budget=budget, baseline=process_rss(), resident=weights.resident_bytes + _io_align(),
+        trainable=sum(a.nbytes for a in adapters), activations=0,
+        # MLX's buffer cache keeps one freed page frame for the next read.
+        slack=max(48 << 20, max_page + (16 << 20)), max_page=max_page,
+    )
+    paged = PagedModel(model, weights, plan, config, act.size, prefill_step_size, max_kv_tokens, page_budget)
+    paged.read_rate = measure_read_rate(weights) if measure_read else None
+    weights.pin_resident()
+    weights.pager.set_schedule([weights.page_ids[i] for i in range(L)], True)
+    return paged, tokenizer
+
+
+def _default_budget() -> int:
+    from .trainer import default_budget
+
+    return default_budget()
+

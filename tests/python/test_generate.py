@@ -1,0 +1,169 @@
+"""Paged generation against mlx-lm's own: the same greedy tokens (same model,
+adapters trained by the paged trainer, prompt, seed), MIN's reads per decode
+step, clear one-line errors, and a hard memory cap under which mlx_lm.generate
+is killed while mlx-pager generate finishes."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from mlx_pager import PagedTrainer, modelgen
+from mlx_pager.generate import load_paged, min_reads_per_sweep
+
+from cgroup import run_capped, unavailable_reason
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, models):
+    """{arch: (model path, adapter dir)}: adapters from a few paged LoRA steps."""
+    out = {}
+    for arch, bits in (("llama", None), ("qwen3", 4)):
+        path = models(arch, bits, num_hidden_layers=6)
+        ad = tmp_path_factory.mktemp(f"ad-{arch}")
+        PagedTrainer(str(path), memory_budget="4GB", ssd_cache_dir=str(ad / "cache"), quiet=True).lora(
+            modelgen.SAMPLE_DATA, iters=3, batch_size=2, num_layers=3, learning_rate=1e-2,
+            adapter_path=str(ad), steps_per_eval=1000, save_every=1000)
+        out[arch] = (path, ad)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_tokens_equal_mlx_lm(trained, tmp_path, arch):
+    path, ad = trained[arch]
+    model, tok = mlx_lm.load(str(path), adapter_path=str(ad))
+    mx.random.seed(0)
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=24)]
+    del model
+
+    paged, ptok = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"))
+    # A page budget of two blocks out of six: pages are read every token.
+    pages = [paged.weights.page_bytes(i) for i in range(paged.weights.num_blocks)]
+    paged2, _ = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"),
+                           page_budget=2 * (max(pages) + 4096))
+    for pm in (paged, paged2):
+        mx.random.seed(0)
+        got = [r.token for r in mlx_lm.stream_generate(pm, ptok, PROMPT, max_tokens=24)]
+        assert got == ref
+    s = paged2.summary()
+    assert s["decode_tokens"] >= 20 and s["decode_bytes"] > 0
+    # Bytes read per decode step: Belady's minimum for the budget (one
+    # page of slack for where in MIN's cycle the tokens start and stop).
+    assert s["decode_bytes"] <= s["min_bytes_per_token"] * s["decode_tokens"] + max(pages) + 4096
+    assert paged.summary()["decode_bytes"] == 0  # everything fits: nothing read after warm-up
+
+
+def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
+    """Prefill is layer-major per chunk: a chunk's tokens pass through a block
+    together, so a block is read at most once per chunk, not once per token;
+    the tokens equal mlx-lm's with the same prefill step."""
+    path, _ = trained["llama"]
+    model, tok = mlx_lm.load(str(path))
+    prompt = tok.encode(PROMPT * 3)
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=4, prefill_step_size=16)]
+    paged, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"), prefill_step_size=16,
+                          page_budget=2 * (paged_page(path, tmp_path) + 4096))
+    assert paged.prefill_chunk == 16
+    got = [r.token for r in mlx_lm.stream_generate(paged, tok, prompt, max_tokens=4,
+                                                   prefill_step_size=paged.prefill_chunk)]
+    assert got == ref
+    chunks = [c for c in paged.stats.calls if c.tokens > 1]
+    assert len(chunks) == -(-(len(prompt) - 1) // 16)
+    L = paged.weights.num_blocks
+    assert all(c.pages_read <= L for c in chunks)
+    # A caller that hands over a longer input than the planned chunk gets it
+    # chunked all the same (the logits of every position, lazily).
+    cache = mlx_lm.models.cache.make_prompt_cache(paged)
+    n = len(paged.stats.calls)
+    logits = paged(mx.array(prompt)[None], cache=cache)
+    assert len(paged.stats.calls) - n == -(-len(prompt) // 16)
+    assert logits.shape[:2] == (1, len(prompt))
+    cache_ref = mlx_lm.models.cache.make_prompt_cache(model)
+    for t0 in range(0, len(prompt), 16):
+        ref_logits = model(mx.array(prompt[t0:t0 + 16])[None], cache=cache_ref)
+    assert mx.array_equal(logits[:, -1], ref_logits[:, -1]).item()
+
+
+def paged_page(path, tmp_path):
+    paged, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"))
+    return max(paged.weights.page_bytes(i) for i in range(paged.weights.num_blocks))
+
+
+def test_min_reads_per_sweep():
+    # 6 equal pages, room for 2: MIN reads 6*(6-2)/(6-1) = 4.8 pages per sweep.
+    assert min_reads_per_sweep([10] * 6, 20, sweeps=11) == pytest.approx(48, abs=10)
+    assert min_reads_per_sweep([10] * 6, 60) == 0
+    assert min_reads_per_sweep([10] * 6, 10) == 60  # one slot: every block read
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "mlx_pager.cli", *args], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def test_cli_generate_matches_mlx_lm_cli(trained, tmp_path):
+    path, ad = trained["qwen3"]
+    common = ["--model", str(path), "--adapter-path", str(ad), "--prompt", PROMPT, "--max-tokens", "16",
+              "--seed", "0", "--verbose", "False"]
+    ref = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", *common], capture_output=True,
+                         text=True, timeout=600)
+    got = cli("generate", *common, "--memory-budget", "2GB", "--ssd-cache-dir", str(tmp_path / "c"))
+    assert ref.returncode == 0 and got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.strip() == ref.stdout.strip().splitlines()[-1].strip() or got.stdout == ref.stdout
+    verbose = cli("generate", *common[:-2], "--memory-budget", "2GB", "--ssd-cache-dir", str(tmp_path / "c"))
+    assert "tokens-per-sec" in verbose.stdout and "Pager:" in verbose.stdout, verbose.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "/nonexistent/model"], ["no such directory", "--model"]),
+    (["--budget-model"], ["--memory-budget"]),
+    (["--memory-budget", "12gb"], ["12GB"]),
+    (["--memory-budget", "1MB"], ["too small", "Raise it"]),
+    (["--adapter-path", "/nonexistent/ad"], ["--adapter-path", "adapter_config.json"]),
+])
+def test_cli_bad_input_is_one_clear_line(trained, tmp_path, args, words):
+    path, _ = trained["llama"]
+    base = ["--model", str(path), "--max-tokens", "4", "--ssd-cache-dir", str(tmp_path / "c")]
+    if args == ["--budget-model"]:  # the model dir exists but is not a model
+        args = ["--model", str(tmp_path), "--memory-budget", "1GB"]
+        words = ["config.json"]
+    r = cli("generate", *base, *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+
+
+def test_make_model(tmp_path):
+    r = cli("make-model", str(tmp_path / "m"), "--layers", "2", "--hidden-size", "64", "--heads", "2",
+            "--kv-heads", "1", "--vocab-size", "300")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "m" / "config.json").exists()
+
+
+CAP = 450 * 10**6
+
+
+@pytest.mark.skipif(unavailable_reason() is not None,
+                    reason=f"hard memory cap unavailable: {unavailable_reason()}")
+def test_generates_under_cap_where_mlx_lm_is_killed(tmp_path_factory, tmp_path):
+    spec = modelgen.ModelSpec(arch="llama", hidden_size=1024, num_hidden_layers=30, intermediate_size=4096,
+                              num_attention_heads=16, num_key_value_heads=4, vocab_size=1024,
+                              dtype="float32", bits=None, seed=1)
+    big = modelgen.generate_model(tmp_path_factory.mktemp("big") / "model", spec)
+    assert modelgen.weight_bytes(big) >= 4 * CAP
+    common = ["--model", str(big), "--prompt", PROMPT, "--max-tokens", "6", "--seed", "0"]
+    proc, peak = run_capped([sys.executable, "-m", "mlx_pager.cli", "generate", *common,
+                             "--memory-budget", str(CAP), "--ssd-cache-dir", str(tmp_path / "c")],
+                            CAP, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Generation:" in proc.stdout and 0 < peak <= CAP
+    print(f"\nmlx-pager generate under a {CAP / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB\n"
+          + "\n".join(proc.stdout.splitlines()[-4:]))
+    lm, lm_peak = run_capped([sys.executable, "-m", "mlx_lm", "generate", *common], CAP, timeout=900)
+    assert lm.returncode != 0, "mlx_lm.generate fit under the cap: the test model is too small"
+    print(f"mlx_lm.generate under the same cap: exit code {lm.returncode} (peak {lm_peak / 1e6:.0f}MB)")
