@@ -6,7 +6,9 @@
                           times larger than the budget, train it under that
                           budget on the shipped sample data, print what the
                           pager did
-  mlx-pager generate DIR  write a small random-weight test model
+  mlx-pager generate ...  drop-in for mlx_lm.generate (same flags) with the
+                          weights paged under --memory-budget
+  mlx-pager make-model DIR  write a small random-weight test model
   mlx-pager plot FILE     a PNG of a --report file (memory by component, I/O)
 """
 
@@ -147,10 +149,10 @@ def demo_main(argv) -> int:
     return 0
 
 
-def generate_main(argv) -> int:
+def make_model_main(argv) -> int:
     from . import modelgen
 
-    p = argparse.ArgumentParser(prog="mlx-pager generate", description="Write a random-weight test model.")
+    p = argparse.ArgumentParser(prog="mlx-pager make-model", description="Write a random-weight test model.")
     p.add_argument("path")
     p.add_argument("--arch", default="llama", choices=["llama", "qwen3"])
     p.add_argument("--hidden-size", type=int, default=128)
@@ -189,7 +191,151 @@ def plot_main(argv) -> int:
     return 0
 
 
-COMMANDS = {"lora": lora_main, "demo": demo_main, "generate": generate_main, "plot": plot_main}
+def _generate_parser() -> argparse.ArgumentParser:
+    from mlx_lm.generate import setup_arg_parser
+
+    parser = setup_arg_parser()  # mlx_lm.generate's own flags, help and defaults
+    parser.prog = "mlx-pager generate"
+    parser.description = "Generate text with the frozen weights paged from the SSD under a memory budget."
+    g = parser.add_argument_group("mlx-pager")
+    g.add_argument("--memory-budget", type=str, default=None,
+                   help="Memory the whole process may use, e.g. 8GB or 900MiB (default: 80%% of RAM).")
+    g.add_argument("--ssd-cache-dir", type=str, default=str(Path.home() / ".cache" / "mlx-pager"),
+                   help="Where the pager writes swap files when a model's weights cannot be read in place.")
+    g.add_argument("--store", choices=["auto", "in_place", "swap"], default="auto",
+                   help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).")
+    g.add_argument("--policy", choices=["optimal", "lru"], default="optimal",
+                   help="Eviction policy (default: optimal, MIN on the cyclic order of the blocks).")
+    g.add_argument("--readahead", type=int, default=None,
+                   help="Blocks the pager looks ahead to read (default: all blocks; 0 = off).")
+    g.add_argument("--readahead-mode", choices=["conservative", "aggressive"], default="conservative",
+                   help="conservative: never more reads than Belady's minimum; aggressive: may read "
+                        "more to overlap reads with compute.")
+    g.add_argument("--io-threads", type=int, default=4, help="I/O threads (default 4).")
+    return parser
+
+
+def generate_main(argv) -> int:
+    """mlx_lm.generate's main(), with load_paged in place of mlx_lm.load."""
+    import json
+
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from .generate import ModelNotFound, load_paged
+
+    parser = _generate_parser()
+    args = parser.parse_args(argv)
+    for flag, why in (("draft_model", "speculative decoding would need a second paged model"),
+                      ("prompt_cache_file", "saved prompt caches are not read"),
+                      ("image", "vision inputs are not paged"),
+                      ("quantize_activations", "activation quantization is not supported")):
+        if getattr(args, flag):
+            parser.error(f"--{flag.replace('_', '-')} is not supported by mlx-pager generate: {why}")
+    if args.model is None:
+        parser.error("no --model given: pass a local mlx-lm model directory or a hub id")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    try:
+        paged, tokenizer = load_paged(
+            args.model, adapter_path=args.adapter_path, memory_budget=args.memory_budget,
+            ssd_cache_dir=args.ssd_cache_dir, max_kv_tokens=1, prefill_step_size=args.prefill_step_size,
+            store=args.store, policy=args.policy, readahead=args.readahead,
+            readahead_mode=args.readahead_mode, io_threads=args.io_threads,
+            trust_remote_code=args.trust_remote_code, measure_read=True,
+        )
+        for eos_token in args.extra_eos_token:
+            tokenizer.add_eos_token(eos_token)
+        template_kwargs = json.loads(args.chat_template_config) if args.chat_template_config else {}
+        prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+        prompt = sys.stdin.read() if prompt == "-" else prompt
+        use_chat_template = not args.ignore_chat_template and tokenizer.has_chat_template
+        if use_chat_template:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+            messages.append({"role": "user", "content": prompt})
+            has_prefill = args.prefill_response is not None
+            if has_prefill:
+                messages.append({"role": "assistant", "content": args.prefill_response})
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=has_prefill,
+                                                   add_generation_prompt=not has_prefill, **template_kwargs)
+        tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
+        kv_tokens = len(tokens) + max(0, args.max_tokens)
+        if args.max_kv_size is not None:
+            kv_tokens = min(kv_tokens, args.max_kv_size)
+        paged.reserve(kv_tokens)
+    except (BudgetError, ModelNotFound, FileNotFoundError, ValueError) as e:
+        print(f"mlx-pager: {e}", file=sys.stderr)
+        return 2
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
+                           xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                           xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+    if args.verbose:
+        print("=" * 10)
+    text, response = "", None
+    try:
+        for response in stream_generate(
+            paged, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler,
+            max_kv_size=args.max_kv_size, prefill_step_size=paged.prefill_chunk, kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+        ):
+            if args.verbose:
+                print(response.text, end="", flush=True)
+            text += response.text
+    except BudgetError as e:
+        print(f"\nmlx-pager: {e}", file=sys.stderr)
+        return 2
+    if not args.verbose:
+        print(text)
+        return 0
+    print()
+    print("=" * 10)
+    if response is None:
+        print("No text generated for this prompt")
+        return 0
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+    s = paged.summary(read_rate=paged.read_rate)
+    print(f"Peak memory: {s['peak_rss'] / 1e9:.3f} GB (process RSS; budget {format_size(s['memory_budget'])})")
+    print(_pager_line(s))
+    return 0
+
+
+def _pager_line(s: dict) -> str:
+    line = (f"Pager: weights {format_size(s['paged_bytes'])} paged, page budget {format_size(s['page_budget'])}")
+    if s["decode_tokens"]:
+        line += (f"; decode {1 / max(s['decode_s_per_token'], 1e-9):.3f} tokens-per-sec, "
+                 f"{format_size(s['decode_bytes_per_token'])} read per token "
+                 f"(MIN for the budget: {format_size(s['min_bytes_per_token'])})")
+    if s["prefill_tokens"]:
+        line += f"; prefill {s['prefill_tokens'] / max(s['prefill_s'], 1e-9):.1f} tokens-per-sec"
+    if s["decode_tokens"] and s["min_bytes_per_token"] == 0:
+        line += "\nBound: every block stays resident (no reads per token): decode is compute-bound"
+    elif s.get("bound_s_per_token") is not None and s["decode_tokens"]:
+        resident = s["paged_bytes"] - s["min_bytes_per_token"]
+        line += (f"\nBound: (weights {format_size(s['paged_bytes'])} - resident {format_size(resident)}) / "
+                 f"R {format_size(s['read_rate'])}/s = {s['bound_s_per_token']:.4f} s/token; "
+                 f"decode {s['decode_s_per_token']:.4f} s/token = "
+                 f"{s['decode_s_per_token'] / max(s['bound_s_per_token'], 1e-12):.2f}x the bound")
+    return line
+
+
+COMMANDS = {"lora": lora_main, "demo": demo_main, "generate": generate_main,
+            "make-model": make_model_main, "plot": plot_main}
+
+
+def version_line() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    from . import __version__
+
+    return f"mlx-pager {__version__} (mlx {v('mlx')}, mlx-lm {v('mlx-lm')})"
 
 
 def main(argv=None) -> int:
