@@ -13,11 +13,13 @@
 #include <exception>
 #include <utility>
 
+#include "mm/bug.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
 
-void Pager::advance_cursor_locked(PageId id) {
+void Pager::advance_cursor_locked(const Lock& lock, PageId id) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   if (schedule_.empty()) {
     return;
   }
@@ -33,7 +35,7 @@ Frame Pager::acquire(PageId id) {
   std::unique_lock<std::mutex> lock(mu_);
   PageEntry& e = table_.at(id);  // throws std::out_of_range
   ++stat_.acquires;
-  advance_cursor_locked(id);
+  advance_cursor_locked(lock, id);
   bool counted = false;
   for (;;) {
     if (e.state == PageState::resident) {
@@ -86,10 +88,8 @@ void Pager::release(PageId id) {
   readahead();
 }
 
-void Pager::start_read_locked(
-    std::unique_lock<std::mutex>& lock,
-    PageId id,
-    bool urgent) {
+void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
   std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
   if (urgent) {
@@ -106,7 +106,7 @@ void Pager::start_read_locked(
   e.state = PageState::in_flight;
   e.prefetched = !urgent;
   std::uint64_t gen = ++e.read_gen;
-  note_peak_locked();
+  note_peak_locked(lock);
 
   // Allocate without the lock: the allocator may be slow or call into MLX.
   lock.unlock();
@@ -129,6 +129,10 @@ void Pager::start_read_locked(
     cv_.notify_all();
     std::rethrow_exception(alloc_error);
   }
+  // Nothing but this read's completion moves a page out of in_flight.
+  MLX_PAGER_ASSERT(e.state == PageState::in_flight && e.read_gen == gen);
+  MLX_PAGER_ASSERT(frame.data != nullptr && frame.size >= e.spec.frame_bytes);
+  MLX_PAGER_ASSERT(reinterpret_cast<std::uintptr_t>(frame.data) % kIoAlign == 0);
   e.frame = frame;
   std::vector<ReadOp> ops;
   ops.reserve(e.spec.extents.size());
@@ -140,6 +144,7 @@ void Pager::start_read_locked(
   if (!urgent) {
     ++stat_.readahead_reads;
   }
+  check_accounting_locked(lock);
   // The completion may run before submit() returns; it takes the lock, so
   // the submit happens with the lock released.
   lock.unlock();
@@ -151,7 +156,7 @@ void Pager::start_read_locked(
 }
 
 void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
-  std::unique_lock<std::mutex> lock(mu_);
+  Lock lock(mu_);
   PageEntry& e = table_.at(id);
   if (e.read_gen != gen || e.state != PageState::in_flight) {
     return;
@@ -187,14 +192,16 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
     e.failed_gen = gen;
     ++stat_.read_errors;
     // Free the frame while the page still reads as in flight, so that the
-    // acquire that waits for it wakes to memory already given back.
+    // acquire that waits for it wakes to memory already given back. The
+    // page stops holding its charge first: until on_free runs, the memory
+    // counts as let go of but still referenced (the invariant in pager.h).
     std::shared_ptr<void> dead = std::move(e.frame.owner);
     e.frame = Frame{};
+    held_bytes_ -= e.charged;
+    e.charged = 0;
     lock.unlock();
     dead.reset();
     lock.lock();
-    held_bytes_ -= e.charged;
-    e.charged = 0;
     e.state = PageState::on_disk;
     e.prefetched = false;
   } else {
@@ -203,6 +210,7 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
     ++stat_.pages_read;
     stat_.bytes_read += batch.bytes_read();
   }
+  check_accounting_locked(lock);
   cv_.notify_all();
   drop_graveyard_unlocked(lock);
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "mm/bug.h"
 #include "mm/mlock.h"
 #include "mm/pager.h"
 
@@ -36,6 +37,20 @@ std::uint64_t Pager::elapsed_ns(std::chrono::steady_clock::time_point t0) {
 
 std::uint64_t Pager::charged_now() const {
   return accounting_->charged.load();
+}
+
+void Pager::check_accounting_locked(const Lock& lock) const {
+#if MLX_PAGER_CHECKS_ON
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  std::uint64_t held = 0;
+  for (PageId id = 0; id < table_.size(); ++id) {
+    held += table_.at(id).charged;
+  }
+  MLX_PAGER_ASSERT(held == held_bytes_);
+  MLX_PAGER_ASSERT(charged_now() >= held_bytes_);
+#else
+  (void)lock;
+#endif
 }
 
 // ------------------------------------------------------------ construction --
@@ -148,11 +163,11 @@ std::uint64_t Pager::set_budget(std::uint64_t bytes) {
   // Shrink: evict what nobody holds until the new budget holds (best effort;
   // pages in use and pinned pages stay and are evicted as they are released).
   while (charged_now() > budget_) {
-    auto cands = evictable_locked();
+    auto cands = evictable_locked(lock);
     if (cands.empty()) {
       break;
     }
-    evict_locked(cands[choose_victim(policy_, cands)].id);
+    evict_locked(lock, cands[choose_victim(policy_, cands)].id);
     drop_graveyard_unlocked(lock);
   }
   return old;
@@ -165,7 +180,8 @@ std::uint64_t Pager::budget() const {
 
 // ---------------------------------------------------------------- counters --
 
-std::uint64_t Pager::pinned_bytes_locked() const {
+std::uint64_t Pager::pinned_bytes_locked(const Lock& lock) const {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   std::uint64_t n = 0;
   for (PageId id = 0; id < table_.size(); ++id) {
     if (table_.at(id).pinned) {
@@ -175,7 +191,8 @@ std::uint64_t Pager::pinned_bytes_locked() const {
   return n;
 }
 
-void Pager::note_peak_locked() {
+void Pager::note_peak_locked(const Lock& lock) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   stat_.peak_resident_bytes =
       std::max(stat_.peak_resident_bytes, charged_now());
 }

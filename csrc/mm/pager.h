@@ -20,6 +20,35 @@
 //
 // All public methods are thread-safe. acquire() blocks; it may be called
 // from several threads at once, also for the same page.
+//
+// Locking (the rules the private methods follow; bug.h checks them in debug
+// and sanitizer builds):
+//  - mu_ guards every non-const member below it: the page table's entries,
+//    the schedule and cursor, budget_, the policy and readahead settings,
+//    the access clock, held_bytes_, graveyard_ and stat_. config_,
+//    allocator_ and io_ are set once; accounting_->charged is atomic.
+//  - Lock order: mu_ -> Accounting::mu -> IoBatch::mu_. Accounting::mu and
+//    IoBatch::mu_ are leaves (nothing is locked under them). mu_ is NEVER held
+//    while calling into the FrameAllocator (allocate may run MLX code),
+//    while dropping a frame's last reference (its on_free takes
+//    Accounting::mu and MLX's allocator lock), or while submitting I/O (a
+//    completion runs complete_read, which takes mu_, possibly before
+//    submit() returns). PageIO's own lock is never held when it calls back.
+//  - A `_locked` method is called with mu_ held and returns with it held. One
+//    that takes the lock as a parameter may drop and retake it (to wait, to
+//    allocate, to free frames, to submit reads): every page state it or its
+//    caller read before may have changed, so callers re-check state (the page
+//    may be in flight or resident by now) instead of trusting what they saw.
+//  - `_unlocked` in a name (drop_graveyard_unlocked) says the method does its
+//    work with mu_ released, and retakes it before returning.
+//
+// Accounting invariant, under mu_:
+//     charged (accounting_->charged) >= held_bytes_ (sum of pages' `charged`)
+//     charged - held_bytes_ = memory of frames the pager let go of (evicted,
+//                             or failed reads) that is still referenced,
+//                             by the graveyard or by arrays outside the pager.
+// Every charge is made under mu_; memory is credited back only when it is
+// really freed (on_free), which can happen on any thread at any time.
 #pragma once
 
 #include <atomic>
@@ -119,24 +148,36 @@ class Pager {
     void wait_for_free(std::uint64_t seen, std::chrono::milliseconds timeout);
   };
 
+  using Lock = std::unique_lock<std::mutex>;
+
   // fault.cpp
-  void start_read_locked(
-      std::unique_lock<std::mutex>& lock, PageId id, bool urgent);
+  // Starts reading an on_disk page (urgent: a fault, which first makes room
+  // and may wait; else readahead, which the caller made room for). Drops the
+  // lock; returns with the page in flight, or unchanged when another thread
+  // started it meanwhile. Throws what the allocator or make_room throws.
+  void start_read_locked(Lock& lock, PageId id, bool urgent);
+  // The I/O completion of a read (takes mu_ itself).
   void complete_read(PageId id, std::uint64_t gen, IoBatch& batch);
-  void advance_cursor_locked(PageId id);
+  void advance_cursor_locked(const Lock& lock, PageId id);
   // reclaim.cpp
-  std::vector<Candidate> evictable_locked() const;
-  void evict_locked(PageId id);
-  void drop_graveyard_unlocked(std::unique_lock<std::mutex>& lock);
-  void make_room_locked(
-      std::unique_lock<std::mutex>& lock, std::uint64_t need, PageId for_page);
+  std::vector<Candidate> evictable_locked(const Lock& lock) const;
+  // Takes a resident, unreferenced, unpinned page's frame out of the table
+  // into the graveyard; the caller then calls drop_graveyard_unlocked.
+  void evict_locked(const Lock& lock, PageId id);
+  // Drops the graveyard's frames with the lock released.
+  void drop_graveyard_unlocked(Lock& lock);
+  // Evicts (and waits) until `need` more bytes fit in the budget; drops the
+  // lock. Throws BudgetError naming `for_page` when they cannot.
+  void make_room_locked(Lock& lock, std::uint64_t need, PageId for_page);
   // readahead.cpp
   void readahead();
-  bool readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id);
+  bool readahead_one_locked(Lock& lock, PageId id);
   // pager.cpp
   std::uint64_t charged_now() const;
-  std::uint64_t pinned_bytes_locked() const;
-  void note_peak_locked();
+  std::uint64_t pinned_bytes_locked(const Lock& lock) const;
+  void note_peak_locked(const Lock& lock);
+  // Checks the accounting invariant above (debug and sanitizer builds).
+  void check_accounting_locked(const Lock& lock) const;
   static std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0);
 
   PagerConfig config_;

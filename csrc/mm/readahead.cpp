@@ -19,6 +19,7 @@
 // needed before the page it reads): more reads than MIN, more overlap.
 #include <algorithm>
 
+#include "mm/bug.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
@@ -47,7 +48,8 @@ void Pager::readahead() {
   }
 }
 
-bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) {
+bool Pager::readahead_one_locked(Lock& lock, PageId id) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
   std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
   if (need > budget_) {
@@ -71,7 +73,7 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
     // flight), by next use AFTER that access. If its choice cannot be evicted
     // now (in use, in flight, or still needed before this page), wait:
     // readahead runs again on every acquire and release.
-    auto cands = evictable_locked();
+    auto cands = evictable_locked(lock);
     std::size_t evictable = cands.size();
     if (policy_ == Policy::optimal) {
       for (PageId other = 0; other < table_.size(); ++other) {
@@ -104,7 +106,7 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
       if (ok.empty()) {
         return false;
       }
-      evict_locked(ok[choose_victim(policy_, ok)].id);
+      evict_locked(lock, ok[choose_victim(policy_, ok)].id);
       drop_graveyard_unlocked(lock);
       continue;
     }
@@ -112,7 +114,7 @@ bool Pager::readahead_one_locked(std::unique_lock<std::mutex>& lock, PageId id) 
     if (pick >= evictable || schedule_.next_use(v.id, cursor_) <= when) {
       return false;  // not evictable yet, or needed no later than this page
     }
-    evict_locked(v.id);
+    evict_locked(lock, v.id);
     drop_graveyard_unlocked(lock);
   }
 }

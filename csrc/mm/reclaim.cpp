@@ -4,6 +4,8 @@
 #include <chrono>
 #include <stdexcept>
 
+#include "mm/bug.h"
+#include "mm/bug.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
@@ -66,7 +68,8 @@ std::size_t choose_victim(Policy policy, const std::vector<Candidate>& c) {
 
 // ---------------------------------------------------------------- Pager ----
 
-std::vector<Candidate> Pager::evictable_locked() const {
+std::vector<Candidate> Pager::evictable_locked(const Lock& lock) const {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   std::vector<Candidate> out;
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
@@ -78,8 +81,10 @@ std::vector<Candidate> Pager::evictable_locked() const {
   return out;
 }
 
-void Pager::evict_locked(PageId id) {
+void Pager::evict_locked(const Lock& lock, PageId id) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
+  MLX_PAGER_ASSERT(e.state == PageState::resident && e.refs == 0 && !e.pinned);
   graveyard_.push_back(std::move(e.frame.owner));
   e.frame = Frame{};
   held_bytes_ -= e.charged;
@@ -94,13 +99,14 @@ void Pager::evict_all() {
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
     if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
-      evict_locked(id);
+      evict_locked(lock, id);
     }
   }
   drop_graveyard_unlocked(lock);
 }
 
-void Pager::drop_graveyard_unlocked(std::unique_lock<std::mutex>& lock) {
+void Pager::drop_graveyard_unlocked(Lock& lock) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   if (graveyard_.empty()) {
     return;
   }
@@ -113,16 +119,15 @@ void Pager::drop_graveyard_unlocked(std::unique_lock<std::mutex>& lock) {
   lock.lock();
 }
 
-void Pager::make_room_locked(
-    std::unique_lock<std::mutex>& lock,
-    std::uint64_t need,
-    PageId for_page) {
+void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  check_accounting_locked(lock);
   if (need > budget_) {
     throw BudgetError(
         "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
         std::to_string(need) + " bytes but the page budget is " +
         std::to_string(budget_) + " bytes: raise the budget to at least " +
-        std::to_string(need + pinned_bytes_locked()) + " bytes");
+        std::to_string(need + pinned_bytes_locked(lock)) + " bytes");
   }
   auto zombie_deadline = std::chrono::steady_clock::time_point::max();
   for (;;) {
@@ -130,9 +135,9 @@ void Pager::make_room_locked(
     if (charged + need <= budget_) {
       return;
     }
-    auto cands = evictable_locked();
+    auto cands = evictable_locked(lock);
     if (!cands.empty()) {
-      evict_locked(cands[choose_victim(policy_, cands)].id);
+      evict_locked(lock, cands[choose_victim(policy_, cands)].id);
       drop_graveyard_unlocked(lock);
       continue;
     }
@@ -177,7 +182,7 @@ void Pager::make_room_locked(
         std::to_string(budget_ - std::min(budget_, charged)) +
         " of the budget's " + std::to_string(budget_) +
         " bytes are free and every resident page is acquired or pinned "
-        "(pinned " + std::to_string(pinned_bytes_locked()) +
+        "(pinned " + std::to_string(pinned_bytes_locked(lock)) +
         " bytes): release pages first or raise the budget");
   }
 }
