@@ -18,6 +18,7 @@ from mlx_pager.trainer import DEFAULTS
 from mlx_pager.trainer import run as paged_run
 
 from conftest import SAMPLE, write_jsonl
+from test_lora_cli import table
 
 COMMON = dict(train=True, batch_size=2, num_layers=2, learning_rate=1e-3, steps_per_report=5,
               steps_per_eval=1000, save_every=1000, seed=0, val_batches=2)
@@ -157,7 +158,8 @@ def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
                           "--report", str(tmp_path / "r.jsonl")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "Iter 2: Train loss" in out.stdout
+    train_rows, _ = table(out.stdout)
+    assert [it for it, _ in train_rows] == ["2"]  # mlx-lm's table: a report at the last iteration
     assert (tmp_path / "ad" / "adapters.safetensors").exists()
     cfg_saved = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert cfg_saved["num_layers"] == 1 and cfg_saved["fine_tune_type"] == "lora"
@@ -170,3 +172,22 @@ def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
                           "--budget", "1GB"], capture_output=True, text=True, timeout=300)
     assert png.returncode == 0, png.stderr
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_api_lora_parameters_are_honoured_like_mlx_lm(models, train_only_data, tmp_path):
+    """PagedTrainer.lora(lora_parameters=...) with rank, scale, dropout and
+    keys: the adapters are mlx_lm.lora's on the same options, bit for bit."""
+    lora = {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "mlp.down_proj"]}
+    model = models("llama", None)
+    a = dict(CONFIG_DEFAULTS, **COMMON, model=str(model), data=str(train_only_data),
+             adapter_path=str(tmp_path / "ref"), iters=3, lora_parameters=lora)
+    mlx_lm_run(types.SimpleNamespace(**copy.deepcopy(a)))
+    t = PagedTrainer(str(model), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
+    res = t.lora(train_only_data, lora_parameters=lora, iters=3, adapter_path=str(tmp_path / "paged"),
+                 **{k: v for k, v in COMMON.items() if k != "train"})
+    ref, got = mx.load(str(tmp_path / "ref" / "adapters.safetensors")), mx.load(str(res.adapter_file))
+    assert_same_adapters(ref, got)
+    assert {k.split(".")[-2] for k in got} == {"q_proj", "down_proj"}
+    assert all(v.shape[-1] == 4 or v.shape[0] == 4 for k, v in got.items() if k.endswith("lora_a") or k.endswith("lora_b"))
+    with pytest.raises(TypeError, match="unknown PagedTrainer options"):
+        t.lora(train_only_data, lora_rnak=4)

@@ -1,0 +1,213 @@
+"""The training loop and evaluation, read top to bottom like mlx-lm's
+``tuner/trainer.py`` (``train`` / ``evaluate``).
+
+One difference in shape: with gradient accumulation over k micro-batches,
+the k batches of one optimizer step (iterations g*k+1 .. g*k+k, as mlx-lm
+groups them) go through the model together, layer-major, so each block is
+read once per sweep rather than k times. What the user sees is still
+per iteration, at mlx-lm's iterations: validation before iteration j when
+j == 1, j % steps_per_eval == 0 or j == iters; a report after j when
+j % steps_per_report == 0 or j == iters; a checkpoint after j when
+j % save_every == 0 (holding the weights as they were after iteration j:
+within a group those are the weights before the group's update).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import step
+from .callbacks import PagerCallback
+from .governor import process_rss
+from .session import Session
+
+
+def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=None) -> float:
+    """mlx-lm's evaluate(): the token-weighted mean loss over `num_batches`
+    batches (-1: all), with the blocks paged once for a group of batches."""
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    args, model = s.args, s.model
+    model.eval()
+    batches = []
+    it = iterate_batches(dataset=dataset, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
+    for i, b in enumerate(it):
+        if num_batches != -1 and i >= num_batches:
+            break
+        batches.append(step.MicroBatch.from_batch(*b))
+    s.use_forward_schedule()
+    all_losses, ntokens = mx.array(0.0), mx.array(0)
+    # Layer-major in groups: one sweep over the blocks serves a whole group.
+    # Forward-only keeps no checkpoints, so a group of 8 fits the plan made
+    # for training's grad_accumulation_steps micro-batches.
+    group = max(8, args.grad_accumulation_steps)
+
+    def on_block(phase, i):
+        s.gov.check()
+        cb.on_block(s.weights, phase, i)
+
+    for g in range(0, len(batches), group):
+        for loss, toks in step.paged_loss(model, s.weights, batches[g:g + group], args.head_chunk_bytes,
+                                          on_block=on_block, blocks=s.blocks):
+            all_losses += loss * toks
+            ntokens += toks
+            mx.eval(all_losses, ntokens)
+            if advance is not None:
+                advance()
+    s.use_step_schedule()
+    model.train()
+    return (all_losses / ntokens).item()
+
+
+def save_adapters(model, adapter_file: Path, iteration: Optional[int], cb: PagerCallback):
+    """Writes the adapters (and, for a checkpoint, NNNNNNN_adapters.safetensors)."""
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    mx.save_safetensors(str(adapter_file), weights)
+    path = adapter_file
+    if iteration is not None:
+        path = adapter_file.parent / f"{iteration:07d}_adapters.safetensors"
+        mx.save_safetensors(str(path), weights)
+    cb.on_save(path, iteration)
+
+
+def _learning_rate(optimizer) -> float:
+    lr = optimizer.learning_rate
+    return lr.item() if isinstance(lr, mx.array) else float(lr)
+
+
+def _clear_cache(threshold: int):
+    if threshold > 0 and mx.get_cache_memory() > threshold:
+        mx.clear_cache()
+
+
+class _Reports:
+    """Per-iteration sums between two reports, as mlx-lm keeps them."""
+
+    def __init__(self):
+        self.losses, self.tokens, self.steps, self.time, self.trained_tokens = 0, 0, 0, 0.0, 0
+
+    def add(self, loss: mx.array, tokens: int, seconds: float):
+        # Summed as mlx-lm sums them (float32 on the device), so that the
+        # reported loss is the same number.
+        self.losses = self.losses + loss
+        self.tokens += tokens
+        self.steps += 1
+        self.time += seconds
+
+    def take(self, it: int, args, optimizer, s: Session, pager_since: dict) -> dict:
+        self.trained_tokens += self.tokens
+        now = s.weights.pager.stats()
+        info = {
+            "iteration": it,
+            "train_loss": mx.array(self.losses).item() / self.steps,
+            "learning_rate": _learning_rate(optimizer),
+            "iterations_per_second": args.steps_per_report / self.time,
+            "tokens_per_second": self.tokens / self.time,
+            "trained_tokens": self.trained_tokens,
+            "peak_memory": s.gov.peak_rss / 1e9,
+            "pager_bytes_read": now["bytes_read"] - pager_since["bytes_read"],
+            "pager_io_wait_s": now["io_wait_s"] - pager_since["io_wait_s"],
+            "pager_faults": now["faults"] - pager_since["faults"],
+        }
+        self.losses, self.tokens, self.steps, self.time = 0, 0, 0, 0.0
+        return info
+
+
+def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: PagerCallback, result) -> None:
+    """Trains for args.iters iterations; reports, validates and saves at
+    mlx-lm's iterations (see the module docstring)."""
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    args, model, weights, gov = s.args, s.model, s.weights, s.gov
+    k = args.grad_accumulation_steps
+    model.train()
+    batches = iterate_batches(dataset=train_set, batch_size=args.batch_size,
+                              max_seq_length=args.max_seq_length, loop=True)
+    reports = _Reports()
+    pager = weights.pager
+    since_report = pager.stats()
+    names = [n for n, _ in tree_flatten(model.trainable_parameters())]
+
+    def on_block(phase, i):
+        gov.check()
+        cb.on_block(weights, phase, i)
+
+    def validate(at: List[int]):
+        if val_set is None or not at:
+            return
+        total = len(val_set) // args.batch_size
+        if args.val_batches != -1:
+            total = min(total, args.val_batches)
+        tic = time.perf_counter()
+        with cb.val_progress(total) as advance:
+            val_loss = evaluate(s, val_set, args.val_batches, cb, advance)
+        val_time = time.perf_counter() - tic
+        # Within a group the weights do not change before its update, so
+        # one pass serves every validation point of the group.
+        for j in at:
+            result.val_losses.append(val_loss)
+            cb.on_val_loss_report({"iteration": j - 1, "val_loss": val_loss, "val_time": val_time})
+
+    cb.progress_start(args.iters)
+    it = 0
+    while it < args.iters:
+        group = [next(batches) for _ in range(min(k, args.iters - it))]
+        its = list(range(it + 1, it + len(group) + 1))
+        it = its[-1]
+        validate([j for j in its if j == 1 or j % args.steps_per_eval == 0 or j == args.iters])
+
+        before = pager.stats()
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        mbs = [step.MicroBatch.from_batch(*b) for b in group]
+        step_losses, step_toks, grads = step.paged_value_and_grad(
+            model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+        )
+        losses = [x.item() for x in step_losses]
+        toks = [int(t.item()) for t in step_toks]
+        update = len(group) == k  # a partial last group updates nothing, as in mlx-lm
+        # Checkpoints inside the group hold the weights before its update.
+        early = [j for j in its if j % args.save_every == 0 and (j != its[-1] or not update)]
+        for j in early:
+            save_adapters(model, adapter_file, j, cb)
+        if update:
+            if k > 1:
+                grads = {n: g / k for n, g in grads.items()}
+            optimizer.update(model, tree_unflatten([(n, grads[n]) for n in names]))
+            mx.eval(model.trainable_parameters(), optimizer.state)
+        _clear_cache(args.clear_cache_threshold)
+        elapsed = time.perf_counter() - tic
+        after = pager.stats()
+        rec = {
+            "type": "step", "iteration": it, "loss": sum(losses) / len(group), "tokens": sum(toks),
+            "step_s": elapsed,
+            "io_wait_s": after["io_wait_s"] - before["io_wait_s"],
+            "bytes_read": after["bytes_read"] - before["bytes_read"],
+            "pages_read": after["pages_read"] - before["pages_read"],
+            "faults": after["faults"] - before["faults"],
+            "readahead_hits": after["readahead_hits"] - before["readahead_hits"],
+            "acquires": after["acquires"] - before["acquires"],
+            "peak_resident_bytes": after["peak_resident_bytes"],
+            "mlx_peak_bytes": mx.get_peak_memory(),
+            "rss_bytes": process_rss(),
+            "peak_rss_bytes": gov.peak_rss,
+        }
+        result.steps.append(rec)
+        cb.on_step(rec)
+        cb.progress_advance(len(group))
+
+        for j, loss, ntok in zip(its, step_losses, toks):
+            reports.add(loss, ntok, elapsed / len(group))
+            if j % args.steps_per_report == 0 or j == args.iters:
+                info = reports.take(j, args, optimizer, s, since_report)
+                since_report = pager.stats()
+                result.train_losses.append(info["train_loss"])
+                cb.on_train_loss_report(info)
+        if update and it % args.save_every == 0:
+            save_adapters(model, adapter_file, it, cb)
+    save_adapters(model, adapter_file, None, cb)

@@ -1,0 +1,227 @@
+"""`mlx-pager lora` against `mlx_lm.lora` on the same flags: what the user
+sees (the console table, validation and report iterations with gradient
+accumulation, --test alone, --report-to loggers) is mlx-lm's."""
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.lora import CONFIG_DEFAULTS
+
+from mlx_pager.callbacks import PagerCallback
+from mlx_pager.plot import load_runs
+from mlx_pager.trainer import DEFAULTS
+from mlx_pager.trainer import run as paged_run
+
+from conftest import SAMPLE
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# mlx-lm 0.32's table rows: "  ITER    LOSS ▼ ..." and "  ITER    val LOSS    TIMEs"
+TRAIN_ROW = re.compile(r"^\s+(\d+)\s+(\d+\.\d+) [▼▲]")
+VAL_ROW = re.compile(r"^\s+(\d+)\s+val (\d+\.\d+)")
+
+
+def table(stdout: str):
+    """(train rows, val rows) of mlx-lm's console table, as (iter, loss) strings."""
+    lines = ANSI.sub("", stdout).splitlines()
+    train = [m.groups() for m in map(TRAIN_ROW.match, lines) if m]
+    val = [m.groups() for m in map(VAL_ROW.match, lines) if m]
+    return train, val
+
+
+def cli(tool, *flags, env=None, timeout=600):
+    cmd = [sys.executable, "-m", "mlx_lm", "lora"] if tool == "mlx_lm" else \
+        [sys.executable, "-m", "mlx_pager.cli", "lora"]
+    return subprocess.run(cmd + [str(f) for f in flags], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def mlx_lm_train(args, callback):
+    """mlx_lm.lora's run() for training, with a callback (its run() replaces
+    the callback it is given by --report-to's)."""
+    import mlx_lm
+    from mlx_lm.lora import train_model
+    from mlx_lm.tuner.datasets import load_dataset
+
+    np.random.seed(args.seed)  # as its run() does: the batch order
+    model, tokenizer = mlx_lm.load(args.model)
+    train_set, valid_set, _ = load_dataset(args, tokenizer)
+    train_model(args, model, train_set, valid_set, callback)
+
+
+class Recorder(PagerCallback):
+    def __init__(self):
+        self.train, self.val = [], []
+
+    def on_train_loss_report(self, info):
+        self.train.append((info["iteration"], info["train_loss"], info["trained_tokens"]))
+
+    def on_val_loss_report(self, info):
+        self.val.append((info["iteration"], info["val_loss"]))
+
+
+def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulation(models, tmp_path):
+    """k = 2 micro-batches per optimizer step, iterations 1..7 (a partial last
+    group), reports and validation every 3 iterations, checkpoints every 3:
+    the same iterations, the same values (bit for bit) and the same
+    checkpoint files as mlx_lm.lora."""
+    flags = dict(train=True, data=str(SAMPLE), batch_size=2, num_layers=2, learning_rate=1e-3, iters=7,
+                 grad_accumulation_steps=2, steps_per_report=3, steps_per_eval=3, save_every=3, val_batches=2,
+                 seed=0)
+    model = str(models("llama", None))
+    ref, got = Recorder(), Recorder()
+    a = dict(CONFIG_DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "ref"))
+    mlx_lm_train(types.SimpleNamespace(**copy.deepcopy(a)), ref)
+    b = dict(DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "paged"), memory_budget="2GB",
+             ssd_cache_dir=str(tmp_path / "c"), quiet=True)
+    paged_run(types.SimpleNamespace(**copy.deepcopy(b)), got)
+    assert got.train == ref.train
+    assert [i for i, _ in got.val] == [i for i, _ in ref.val] == [0, 2, 5, 6]
+    for (_, x), (_, y) in zip(got.val, ref.val):
+        assert x == pytest.approx(y, rel=1e-6)
+    names = sorted(p.name for p in (tmp_path / "ref").glob("*.safetensors"))
+    assert names == sorted(p.name for p in (tmp_path / "paged").glob("*.safetensors"))
+    assert "0000003_adapters.safetensors" in names  # inside a group: weights before its update
+    for n in names:
+        r, g = mx.load(str(tmp_path / "ref" / n)), mx.load(str(tmp_path / "paged" / n))
+        assert all(mx.array_equal(r[k], g[k]).item() for k in r), n
+
+
+FAKE_WANDB = '''
+import json, os
+def _rec(kind, **kw):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps({"call": kind, **kw}, default=str) + "\\n")
+def init(project=None, name=None, dir=None, config=None):
+    _rec("init", project=project, name=name)
+def log(data, step=None):
+    _rec("log", step=step, data=data)
+'''
+
+
+def test_console_table_and_report_to_match_mlx_lm(models, tmp_path):
+    """Same flags to both CLIs with --report-to wandb (a stand-in wandb
+    module that records its calls): the console table's rows, and what is
+    logged through mlx-lm's own WandBCallback, are the same."""
+    fake = tmp_path / "fake"
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    model = models("qwen3", None)
+    runs = {}
+    for tool in ("mlx_lm", "paged"):
+        env = dict(os.environ, FAKE_WANDB_LOG=str(tmp_path / f"{tool}.jsonl"),
+                   PYTHONPATH=os.pathsep.join([str(fake)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        extra = ["--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c"] if tool == "paged" else []
+        out = cli(tool, "--model", model, "--train", "--data", SAMPLE, "--iters", 4, "--batch-size", 2,
+                  "--num-layers", 1, "--steps-per-report", 2, "--steps-per-eval", 2, "--val-batches", 2,
+                  "--adapter-path", tmp_path / f"ad-{tool}", "--report-to", "wandb", "--project-name", "proj",
+                  *extra, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        calls = [json.loads(l) for l in (tmp_path / f"{tool}.jsonl").read_text().splitlines()]
+        runs[tool] = (table(out.stdout), calls)
+    (ref_train, ref_val), ref_calls = runs["mlx_lm"]
+    (train, val), calls = runs["paged"]
+    assert len(ref_train) == 2 and len(ref_val) == 3
+    assert train == ref_train and val == ref_val
+    assert calls[0] == dict(ref_calls[0], name="ad-paged") and calls[0]["project"] == "proj"
+    keys = ("iteration", "train_loss", "val_loss", "trained_tokens")
+    assert [(c["step"], {k: c["data"].get(k) for k in keys}) for c in calls[1:]] == \
+        [(c["step"], {k: c["data"].get(k) for k in keys}) for c in ref_calls[1:]]
+    assert all("pager_bytes_read" in c["data"] for c in calls[1:] if "train_loss" in c["data"])
+
+
+def test_missing_logger_is_mlx_lm_error_in_one_line(models, tmp_path):
+    flags = ["--model", models("llama", 4), "--train", "--data", SAMPLE, "--iters", 1,
+             "--report-to", "wandb", "--adapter-path", tmp_path / "a"]
+    ref = cli("mlx_lm", *flags)
+    assert ref.returncode != 0 and "wandb is not installed" in ref.stderr
+    expected = ref.stderr.strip().splitlines()[-1].split(": ", 1)[1]  # "ImportError: <message>"
+    out = cli("paged", *flags, "--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c")
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"mlx-pager: {expected}", out.stderr
+    assert not (tmp_path / "a" / "adapters.safetensors").exists()
+
+
+def test_test_alone_evaluates_saved_adapters_like_mlx_lm(models, tmp_path):
+    model = models("llama", 4)
+    train = cli("paged", "--model", model, "--train", "--data", SAMPLE, "--iters", 3, "--batch-size", 2,
+                "--num-layers", 2, "--learning-rate", 1e-3, "--adapter-path", tmp_path / "ad",
+                "--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c", "--steps-per-eval", 100)
+    assert train.returncode == 0, train.stderr[-3000:]
+    flags = ["--model", model, "--test", "--data", SAMPLE, "--batch-size", 2, "--test-batches", 4,
+             "--adapter-path", tmp_path / "ad"]
+    ref = cli("mlx_lm", *flags)
+    out = cli("paged", *flags, "--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c")
+    assert ref.returncode == 0 and out.returncode == 0, out.stderr[-3000:]
+    line = re.compile(r"Test loss \d+\.\d+, Test ppl \d+\.\d+\.")
+    assert line.findall(ANSI.sub("", out.stdout)) == line.findall(ANSI.sub("", ref.stdout)) != []
+    missing = cli("paged", *flags[:-1], tmp_path / "nowhere", "--memory-budget", "2GB")
+    assert missing.returncode == 2 and "holds no adapters" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_full_fine_tuning_is_refused_and_marked_in_help(models, tmp_path):
+    help_text = " ".join(cli("paged", "--help").stdout.split())
+    assert "full is refused" in help_text
+    out = cli("paged", "--model", models("llama", 4), "--train", "--data", SAMPLE, "--fine-tune-type", "full",
+              "--adapter-path", tmp_path / "a")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("mlx-pager: --fine-tune-type full is not supported")
+
+
+def test_version_and_help():
+    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and re.match(r"mlx-pager \d+\.\d+\.\d+ \(mlx 0\.\d+", out.stdout)
+    plot = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", "--help"], capture_output=True, text=True)
+    assert "--report" in plot.stdout and "memory by component" in plot.stdout
+    demo = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "demo", "--help"], capture_output=True, text=True)
+    text = " ".join(demo.stdout.split())
+    assert "1.83 GB" in text and "disk" in text and "minutes" in text
+
+
+def test_plot_draws_each_run_of_a_report_on_its_own(tmp_path):
+    report = tmp_path / "r.jsonl"
+    lines = []
+    for run in range(2):
+        lines.append({"type": "run", "model": f"m{run}", "memory_budget": "1GB"})
+        for it in (1, 2):
+            lines.append({"type": "block", "t": it, "phase": "forward", "block": 0, "rss_bytes": 5e8,
+                          "pages_bytes": 1e8, "pinned_bytes": 1e7, "mlx_active_bytes": 2e8,
+                          "mlx_cache_bytes": 1e7, "in_flight_pages": 0})
+            lines.append({"type": "step", "iteration": it, "step_s": 1.0, "io_wait_s": 0.2})
+    # and an older file's run without a header: its iterations start again
+    lines += [{"type": "step", "iteration": 1, "step_s": 1.0, "io_wait_s": 0.1}]
+    report.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    runs = load_runs(report)
+    assert [len(r.steps) for r in runs] == [2, 2, 1]
+    assert [r.header.get("model") for r in runs] == ["m0", "m1", None]
+    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(report), "--budget", "1GB"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "none.jsonl")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preloading is for Linux")
+def test_openblas_is_used_by_the_python_api_or_a_warning_says_how():
+    from mlx_pager.blas import openblas_path
+
+    if openblas_path() is None:
+        pytest.skip("OpenBLAS is not installed here")
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    first = "import mlx_pager, mlx_pager.blas as b; print(b.STATE, 'openblas' in open('/proc/self/maps').read())"
+    out = subprocess.run([sys.executable, "-c", first], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["active", "True"], out.stderr
+    late = "import mlx.core, mlx_pager, mlx_pager.blas as b; print(b.STATE); b.warn_once(); b.warn_once()"
+    out = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["late"]
+    assert out.stderr.count("warning") == 1 and "import mlx_pager before mlx" in out.stderr
