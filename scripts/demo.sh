@@ -5,6 +5,7 @@
 # Arguments are passed to `mlx-pager demo` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+./scripts/system-deps.sh  # compiler, venv, OpenBLAS: no manual step on a fresh machine
 VENV="${MLX_PAGER_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip

@@ -5,7 +5,12 @@ block at a time by a C++ pager (``mlx_pager._core``); adapters, optimizer
 state, embeddings and the LM head stay resident.
 """
 
-import mlx.core  # noqa: F401  (registers mx.array's nanobind casters first)
+from . import blas
+
+# Before libmlx is loaded: MLX's Linux CPU wheel then uses OpenBLAS (blas.py).
+blas.STATE = blas.load_openblas()
+
+import mlx.core  # noqa: E402,F401  (registers mx.array's nanobind casters first)
 
 from ._core import Pager, SwapWriter, read_safetensors_index  # noqa: F401
 from .trainer import PagedTrainer  # noqa: F401

@@ -3,10 +3,17 @@
 The ``mlx[cpu]`` wheel for Linux links the reference (netlib) BLAS it
 bundles, which runs sgemm at a few GFLOP/s; OpenBLAS on the same machine is
 about 10x faster. libmlx resolves ``cblas_sgemm`` and friends dynamically,
-so preloading OpenBLAS's ``libblas.so.3`` makes MLX use it without any
-change to MLX. The library must be loaded before the process starts, so
-the CLI re-executes itself once with LD_PRELOAD set when OpenBLAS is
-installed (Debian: ``apt-get install libopenblas0-pthread``).
+so loading OpenBLAS's ``libblas.so.3`` into the global symbol scope before
+libmlx is loaded makes MLX use it without any change to MLX:
+
+- ``import mlx_pager`` does this itself (``ctypes.CDLL(..., RTLD_GLOBAL)``)
+  when it is imported before ``mlx``, so ``PagedTrainer`` gets it too;
+- the CLI re-executes itself once with LD_PRELOAD set, which also covers
+  child processes;
+- when neither can apply (OpenBLAS not installed, or ``mlx`` imported
+  first), ``warn_once()`` says so, with the fix, the first time a run starts.
+
+OpenBLAS on Debian/Ubuntu: ``apt-get install libopenblas0-pthread``.
 
 Set MLX_PAGER_OPENBLAS=0 to keep MLX's bundled BLAS. Nothing here runs on
 macOS, where MLX uses Accelerate and Metal.
@@ -31,6 +38,60 @@ def openblas_path() -> Optional[str]:
     if not sys.platform.startswith("linux") or os.environ.get("MLX_PAGER_OPENBLAS") == "0":
         return None
     return next((p for p in CANDIDATES if os.path.exists(p)), None)
+
+
+def _mapped(lib: str) -> bool:
+    """Whether `lib` (or any OpenBLAS) is mapped into this process."""
+    try:
+        maps = open("/proc/self/maps").read()
+    except OSError:
+        return False
+    return os.path.realpath(lib) in maps or "openblas" in maps
+
+
+def load_openblas() -> str:
+    """Loads OpenBLAS into the global symbol scope if libmlx is not loaded
+    yet. Returns the state: "active", "late" (MLX was loaded first with its
+    bundled BLAS), "missing" (Linux without OpenBLAS), "off"
+    (MLX_PAGER_OPENBLAS=0) or "n/a" (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return "n/a"
+    if os.environ.get("MLX_PAGER_OPENBLAS") == "0":
+        return "off"
+    lib = openblas_path()
+    if lib is None:
+        return "missing"
+    if _mapped(lib):
+        return "active"
+    if "mlx.core" in sys.modules:
+        return "late"
+    import ctypes
+
+    try:
+        ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
+    except OSError:
+        return "missing"
+    return "active"
+
+
+STATE = "n/a"  # set by mlx_pager/__init__.py at import
+_warned = False
+
+
+def warn_once() -> None:
+    """Tells the user, once per process, when MLX's float32 matmuls run on
+    the slow bundled BLAS, and how to fix it."""
+    global _warned
+    if _warned or STATE not in ("missing", "late"):
+        return
+    _warned = True
+    if STATE == "missing":
+        fix = "install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread)"
+    else:
+        fix = "import mlx_pager before mlx, or start Python with LD_PRELOAD=" + str(openblas_path())
+    print(f"mlx-pager: warning: MLX's Linux CPU wheel runs float32 matmuls on its bundled reference BLAS "
+          f"(~10-30x slower than OpenBLAS); to fix, {fix}. Set MLX_PAGER_OPENBLAS=0 to silence.",
+          file=sys.stderr)
 
 
 def preloaded() -> bool:
