@@ -1,8 +1,11 @@
 """Small random-weight models in mlx-lm's on-disk format, made locally.
 
 Tests, benchmarks and the offline main job need models without a download.
-``generate_model`` writes a real mlx-lm architecture (Llama, Qwen3) with
-random weights, in bf16/f16/f32 or quantized (4-bit affine by default), as
+``generate_model`` writes a real mlx-lm architecture with random weights:
+Llama or Qwen3 from the sizes of a ``ModelSpec``, or any mlx-lm model_type
+from an explicit ``config`` dict (see architectures.py, which derives tiny
+configs for every architecture mlx-lm has), in bf16/f16/f32 or quantized
+(4-bit affine by default), as
 mlx-lm writes models: ``config.json`` (with the ``quantization`` key when
 quantized), sharded ``model-0000x-of-0000y.safetensors`` with
 ``model.safetensors.index.json``, and tokenizer files from a byte-level BPE
@@ -15,12 +18,15 @@ several GB needs about one shard of memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,13 +71,29 @@ class ModelSpec:
     seed: int = 0
     shard_bytes: int = 256 << 20
     extra: dict = field(default_factory=dict)  # more config.json keys
+    # The whole config.json (any mlx-lm model_type; `arch` is then only a
+    # label). The size fields above are ignored, except vocab_size, which
+    # sizes the tokenizer and must match config["vocab_size"] if present.
+    config: Optional[dict] = None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        if d["config"] is None:
+            del d["config"]  # specs without one keep the keys they always had
+        return d
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        blob = json.dumps(self.as_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _config(spec: ModelSpec) -> dict:
+    if spec.config is not None:
+        cfg = dict(spec.config)
+        cfg.setdefault("vocab_size", spec.vocab_size)
+        cfg.setdefault("torch_dtype", spec.dtype)
+        cfg.update(spec.extra)
+        return cfg
     if spec.arch not in _ARCH_DEFAULTS:
         raise ValueError(
             f"unknown architecture '{spec.arch}': choose one of {sorted(_ARCH_DEFAULTS)}"
@@ -93,6 +115,23 @@ def _config(spec: ModelSpec) -> dict:
         cfg["quantization_config"] = q
     cfg.update(spec.extra)
     return cfg
+
+
+_TOKENIZERS: Dict[tuple, Tuple[Path, int]] = {}  # (vocab_size, corpus) -> (dir, size)
+
+
+def tokenizer_files(path: Path, vocab_size: int, corpus_dir: Path = SAMPLE_DATA) -> int:
+    """Writes the tokenizer train_tokenizer would write into `path`, training
+    it once per process and copying the files afterwards (training takes
+    about a second; test sessions make many models). Returns its size."""
+    key = (vocab_size, str(Path(corpus_dir).resolve()))
+    if key not in _TOKENIZERS or not _TOKENIZERS[key][0].exists():
+        d = Path(tempfile.mkdtemp(prefix="mlx-pager-tokenizer-"))
+        _TOKENIZERS[key] = (d, train_tokenizer(d, vocab_size, corpus_dir))
+    d, n = _TOKENIZERS[key]
+    for f in d.iterdir():
+        shutil.copy(f, Path(path) / f.name)
+    return n
 
 
 def train_tokenizer(path: Path, vocab_size: int, corpus_dir: Path = SAMPLE_DATA) -> int:
@@ -137,14 +176,28 @@ def train_tokenizer(path: Path, vocab_size: int, corpus_dir: Path = SAMPLE_DATA)
 
 
 def _make_module(spec: ModelSpec, cfg: dict) -> nn.Module:
-    from mlx_lm.utils import _get_classes
+    """The model, cast and quantized; quantizing may add per-layer entries
+    to cfg["quantization"] (config-driven specs), so cfg is updated."""
+    from mlx_lm.utils import _get_classes, quantize_model
 
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     dtype = getattr(mx, spec.dtype)
     model.set_dtype(dtype)
     if spec.bits is not None:
-        nn.quantize(model, group_size=spec.group_size, bits=spec.bits, mode="affine")
+        if spec.config is None:
+            nn.quantize(model, group_size=spec.group_size, bits=spec.bits, mode="affine")
+        else:
+            # As mlx_lm.convert quantizes: the model's own quant_predicate
+            # (e.g. routers kept unquantized), layers whose input dimension
+            # the group size does not divide left alone, and the
+            # per-layer choices recorded in the config for the loader.
+            plain = {k: v for k, v in cfg.items() if k not in ("quantization", "quantization_config")}
+            quiet = io.StringIO()
+            with contextlib.redirect_stdout(quiet):
+                _, qcfg = quantize_model(model, plain, spec.group_size, spec.bits, mode="affine")
+            cfg["quantization"] = qcfg["quantization"]
+            cfg["quantization_config"] = qcfg["quantization_config"]
     return model
 
 
@@ -168,14 +221,16 @@ def generate_model(path, spec: ModelSpec | None = None, force: bool = False) -> 
     tmp.mkdir(parents=True)
 
     # The tokenizer decides the vocabulary; the embedding rows must cover it.
-    n_tokens = train_tokenizer(tmp, spec.vocab_size)
+    n_tokens = tokenizer_files(tmp, spec.vocab_size)
     if n_tokens > spec.vocab_size:
         raise ValueError(f"tokenizer has {n_tokens} tokens > vocab_size {spec.vocab_size}")
     cfg = _config(spec)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    if cfg.get("vocab_size", spec.vocab_size) < n_tokens:
+        raise ValueError(f"tokenizer has {n_tokens} tokens > config vocab_size {cfg['vocab_size']}")
 
     mx.random.seed(spec.seed)
     model = _make_module(spec, cfg)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     weights = tree_flatten(model.parameters())
     if hasattr(model, "sanitize"):
         # What load() keeps after sanitize (e.g. no lm_head when tied).
@@ -210,7 +265,7 @@ def generate_model(path, spec: ModelSpec | None = None, force: bool = False) -> 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
     (tmp / MARKER).write_text(
-        json.dumps({"key": spec.key(), "spec": asdict(spec), "weight_bytes": total}, indent=2)
+        json.dumps({"key": spec.key(), "spec": spec.as_dict(), "weight_bytes": total}, indent=2)
     )
     tmp.rename(path)
     return path

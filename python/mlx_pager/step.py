@@ -31,6 +31,7 @@ read once per sweep per optimizer step, not once per micro-batch.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -39,7 +40,39 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .layers import BlockList
+from .layers import BlockList, NotPageable, architecture
+
+
+def _hidden_param(layer) -> Optional[str]:
+    """The name of the parameter a block takes its hidden state in (the first
+    one of its __call__), for blocks the model calls by keyword (gptj:
+    ``block(inputs=h, mask=..., cache=...)``)."""
+    try:
+        params = list(inspect.signature(type(layer).__call__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    return params[0].name if params and params[0].kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) else None
+
+
+def _split_call(layer, args, kwargs):
+    """(hidden state, other args, other kwargs) of a call to a block, whether
+    the hidden state came positionally or by keyword. run_block calls the
+    block back with the hidden state first: the same call."""
+    if args:
+        return args[0], args[1:], kwargs
+    name = _hidden_param(layer)
+    if name is None or name not in kwargs:
+        raise NotPageable(
+            f"{_architecture_of(layer)}: a block was called without its hidden state as "
+            "first argument; mlx-pager pages blocks that take the hidden state first"
+        )
+    kwargs = dict(kwargs)
+    return kwargs.pop(name), args, kwargs
+
+
+def _architecture_of(layer) -> str:
+    return type(layer).__module__.rsplit(".", 1)[-1]
 
 
 class _Pass:
@@ -48,22 +81,28 @@ class _Pass:
     def __init__(self, layer):
         self._layer = layer
 
-    def __call__(self, x, *args, **kwargs):
-        return x
+    def __call__(self, *args, **kwargs):
+        return _split_call(self._layer, args, kwargs)[0]
 
     def __getattr__(self, name):  # e.g. layer.use_sliding, layer.is_linear
         return getattr(self._layer, name)
 
 
 class _Record(_Pass):
-    """Stands in for block `index`: records how it was called, passes x on."""
+    """Stands in for block `index`: records how it was called as
+    ``calls[index] = (x, args, kwargs)`` and passes x on. ``order`` (when
+    given) gets the index of each call, so that plan can check the blocks
+    are called once each, in order."""
 
-    def __init__(self, layer, index: int, calls: list):
+    def __init__(self, layer, index: int, calls: list, order: Optional[list] = None):
         super().__init__(layer)
-        self._index, self._calls = index, calls
+        self._index, self._calls, self._order = index, calls, order
 
-    def __call__(self, x, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        x, args, kwargs = _split_call(self._layer, args, kwargs)
         self._calls[self._index] = (x, args, kwargs)
+        if self._order is not None:
+            self._order.append(self._index)
         return x
 
 
@@ -74,7 +113,7 @@ class _Emit(_Pass):
         super().__init__(layer)
         self._h = h
 
-    def __call__(self, x, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         return self._h
 
 
@@ -149,16 +188,52 @@ class MicroBatch:
 
 
 def plan(model: nn.Module, mb: MicroBatch) -> None:
-    """Fills mb.h0 and mb.calls by running the model with recording stand-ins."""
-    calls = [None] * len(model.layers)
-    with stand_ins(model, lambda i, l: _Record(l, i, calls)):
-        model(mb.inputs)  # the logits of this pass are never evaluated
-    if any(c is None for c in calls):
-        missing = [i for i, c in enumerate(calls) if c is None]
-        raise NotImplementedError(
-            f"the model did not call blocks {missing} of model.layers in its "
-            "forward pass; mlx-pager pages models that call their blocks in order"
+    """Fills mb.h0 and mb.calls by running the model with recording stand-ins.
+
+    Raises NotPageable (one line: the architecture and why) when the model
+    does not reach its blocks as the paged step runs them: each block once,
+    in order, the output of one the input of the next."""
+    L = len(model.layers)
+    calls, order = [None] * L, []
+    arch = architecture(model)
+    try:
+        with stand_ins(model, lambda i, l: _Record(l, i, calls, order)):
+            model(mb.inputs)  # the logits of this pass are never evaluated
+    except NotPageable:
+        raise
+    except Exception as e:
+        raise NotPageable(
+            f"{arch}: its forward pass fails when its blocks only pass the hidden state on "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+            "its blocks exchange more than the hidden state"
+        ) from e
+    if not order:
+        raise NotPageable(
+            f"{arch}: the forward pass never calls the blocks of model.layers "
+            "(it reaches into their submodules), so they cannot be run one at a time"
         )
+    if order != list(range(L)):
+        repeated = sorted({i for i in order if order.count(i) > 1})
+        if repeated:
+            why = f"calls blocks {repeated[:4]} more than once (shared or looped blocks)"
+        elif len(order) < L:
+            why = f"never calls blocks {[i for i in range(L) if i not in order][:4]}"
+        else:
+            why = "calls its blocks out of order"
+        raise NotPageable(f"{arch}: the forward pass {why}; mlx-pager pages blocks called once each, in order")
+    for i in range(1, L):
+        if calls[i][0] is not calls[i - 1][0]:
+            raise NotPageable(
+                f"{arch}: the forward pass changes the hidden state between blocks {i - 1} and {i} "
+                "(or uses a block's output otherwise), so blocks cannot be run one after the other"
+            )
+    for i, (_, args, kwargs) in enumerate(calls):
+        for _, v in tree_flatten((args, kwargs)):
+            if not (v is None or isinstance(v, (mx.array, bool, int, float, str))):
+                raise NotPageable(
+                    f"{arch}: block {i} is passed a {type(v).__name__} besides the hidden state "
+                    "(state its blocks share in the forward pass), so it cannot run on its own"
+                )
     mb.h0 = calls[0][0]
     mb.calls = [(args, kwargs) for _, args, kwargs in calls]
     mx.eval(mb.h0, [v for _, v in tree_flatten(mb.calls) if isinstance(v, mx.array)])
@@ -168,9 +243,9 @@ def run_block(layer: nn.Module, h: mx.array, call) -> mx.array:
     args, kwargs = call
     out = layer(h, *args, **kwargs)
     if not isinstance(out, mx.array):
-        raise NotImplementedError(
-            f"block {type(layer).__name__} returned {type(out).__name__}; "
-            "mlx-pager pages blocks that return the hidden state"
+        raise NotPageable(
+            f"{_architecture_of(layer)}: block {type(layer).__name__} returns "
+            f"{type(out).__name__}, not the hidden state"
         )
     return out
 

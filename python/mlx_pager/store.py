@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .layers import BlockList, NotPageable, architecture
 from ._core import Pager, SwapWriter, read_safetensors_index, swap_page_bytes
 
 RESIDENT_PAGE = "resident"
@@ -54,12 +55,22 @@ def placeholder(shape, dtype) -> mx.array:
 
 
 def _block_prefixes(model: nn.Module) -> List[str]:
+    """Each block's parameter path (e.g. model.layers.3), found where the
+    forward pass reaches the blocks (layers.BlockList), whatever model.layers
+    returns. Raises NotPageable for blocks that cannot be pages of their own."""
+    arch = architecture(model)
     by_id = {id(m): name for name, m in model.named_modules()}
     prefixes = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(BlockList(model).blocks()):
         if id(layer) not in by_id:
-            raise ValueError(f"model.layers[{i}] is not a submodule of the model")
+            raise NotPageable(f"{arch}: block {i} of model.layers is not a submodule of the model")
         prefixes.append(by_id[id(layer)])
+    dup = sorted({p for p in prefixes if prefixes.count(p) > 1})
+    if dup:
+        raise NotPageable(f"{arch}: model.layers holds the same block more than once ({dup[0]}): shared blocks")
+    nested = [p for p in prefixes for q in prefixes if p != q and p.startswith(q + ".")]
+    if nested:
+        raise NotPageable(f"{arch}: block {nested[0]} lies inside another block")
     return prefixes
 
 
@@ -139,7 +150,7 @@ class PagedWeights:
         to_swap = []
         for page_name, names in groups:
             if not names:
-                raise ValueError(f"page '{page_name}' has no frozen tensors")
+                raise NotPageable(f"{architecture(model)}: page '{page_name}' has no frozen tensors")
             in_place = store != "swap" and all(stored_as_held(n) for n in names)
             if store == "in_place" and not in_place:
                 bad = [n for n in names if not stored_as_held(n)][:3]

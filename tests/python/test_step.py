@@ -12,12 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 from mlx_lm.tuner.trainer import default_loss, iterate_batches
-from mlx_lm.tuner.utils import linear_to_lora_layers
-from mlx_lm.utils import load_model
-
+from mlx_pager import architectures as A
 from mlx_pager import step as S
-from mlx_pager.store import PagedWeights
-from mlx_pager.trainer import _init_dora_magnitudes
 
 from conftest import SAMPLE
 
@@ -33,30 +29,16 @@ def batches(path, n, batch_size=3):
 
 
 def reference(path, num_layers, dora=False):
-    model, _ = load_model(path, lazy=True)
-    model.freeze()
-    mx.random.seed(0)
-    linear_to_lora_layers(model, num_layers, LORA, use_dora=dora)
-    return model
+    return A.reference(path, num_layers, dora=dora, lora=LORA)
 
 
 def paged(path, num_layers, store, tmp_path, dora=False):
-    model, _ = load_model(path, lazy=True)
-    model.freeze()
-    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), store=store)
-    w.pin_resident()
-    mx.random.seed(0)
-    linear_to_lora_layers(model, num_layers, LORA, use_dora=dora)
-    if dora:
-        _init_dora_magnitudes(model, w, S.first_trained_block(model))
-    return model, w
+    return A.paged(path, num_layers, store, str(tmp_path), dora=dora, lora=LORA)
 
 
 def assert_bitwise(ref_grads, grads):
-    ref = dict(tree_flatten(ref_grads))
-    assert set(ref) == set(grads)
-    for k in ref:
-        assert mx.array_equal(ref[k], grads[k]).item(), f"{k}: max diff {mx.abs(ref[k] - grads[k]).max()}"
+    bad = A.bitwise_mismatches(dict(tree_flatten(ref_grads)), grads)
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

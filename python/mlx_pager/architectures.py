@@ -1,0 +1,587 @@
+"""Every mlx-lm architecture: tiny configs, generated models, the same-math check.
+
+mlx-lm has one module per architecture in ``mlx_lm.models``, each with a
+``ModelArgs`` dataclass (what config.json holds) and a ``Model``. This module
+
+  derives   a tiny config for any of them from its ModelArgs fields: every
+            size-like field (hidden size, layers, heads, experts, ranks,
+            state sizes, ...) is set small by its name, whatever its default;
+            other required fields take the default other architectures give
+            the same field, else one by name and type. Nested configs
+            (``text_config`` of VLM-style wrappers, dbrx's ``ffn_config``)
+            are derived the same way from the dataclasses the module uses.
+  builds    the model in mlx-lm's on-disk format with modelgen, in bf16 and
+            4-bit (as ``mlx_lm.convert`` quantizes), with a shared tokenizer;
+  checks    that the paged step's loss and every adapter gradient are
+            BITWISE equal to mlx-lm's ``default_loss`` under
+            ``nn.value_and_grad`` on the same batch (LoRA on the last blocks).
+
+``python -m mlx_pager.architectures --markdown`` prints the matrix
+(architecture x dtype: pass / cannot build / refused, and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import pkgutil
+import sys
+import tempfile
+import time
+import types
+import typing
+from functools import lru_cache
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from . import modelgen
+
+VOCAB = 512  # the local tokenizer's size (modelgen.train_tokenizer)
+LAYERS = 4
+DTYPES = ("bf16", "4bit")
+LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
+
+# Size-like fields, set whatever their default: by field name.
+_HIDDEN = 64
+SIZES: Dict[str, object] = {
+    # widths
+    **dict.fromkeys(["hidden_size", "d_model", "n_embd", "model_dim", "dim", "block_dim",
+                     "dim_model_base", "hidden_dim_base"], _HIDDEN),
+    **dict.fromkeys(["intermediate_size", "ffn_hidden_size", "n_inner", "hidden_dim",
+                     "ff_intermediate_size", "intermediate_size_mlp", "ffn_dim",
+                     "dense_intermediate_size", "mlp_hidden_size", "block_ff_dim"], 128),
+    **dict.fromkeys(["moe_intermediate_size", "expert_ffn_hidden_size", "expert_intermediate_size",
+                     "shared_expert_intermediate_size", "shared_intermediate_size",
+                     "moe_shared_expert_intermediate_size", "routed_intermediate_size"], 64),
+    # depth
+    **dict.fromkeys(["num_hidden_layers", "n_layer", "n_layers", "num_layers",
+                     "num_transformer_layers"], LAYERS),
+    # attention
+    **dict.fromkeys(["num_attention_heads", "n_head", "n_heads", "num_heads",
+                     "swa_num_attention_heads", "num_query_heads_base"], 4),
+    **dict.fromkeys(["num_key_value_heads", "n_kv_heads", "num_kv_heads", "swa_num_key_value_heads",
+                     "num_attention_groups", "multi_query_group_num"], 2),
+    **dict.fromkeys(["head_dim", "swa_head_dim", "swa_v_head_dim", "kv_channels",
+                     "attention_head_dim"], 16),
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "qk_head_dim": 24,
+    "moe_top_k": 2, "kv_n_heads": 2, "clip_qkv": 8.0,
+    "original_max_position_embeddings": 256,
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+    "rotary_dim": 8,
+    "sliding_window": 16, "sliding_window_size": 16, "attention_window_size": 16,
+    "attention_chunk_size": 16,
+    # experts
+    **dict.fromkeys(["num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
+                     "n_experts"], 4),
+    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token",
+                     "experts_per_token"], 2),
+    **dict.fromkeys(["n_shared_experts", "num_shared_experts", "num_shared_expert",
+                     "moe_num_shared_experts"], 1),
+    "n_group": 1, "topk_group": 1, "zero_expert_num": 1,
+    # state-space / linear attention / recurrent
+    **dict.fromkeys(["state_size", "ssm_state_size", "mamba_d_state", "d_state"], 16),
+    **dict.fromkeys(["conv_kernel", "mamba_d_conv", "d_conv", "linear_conv_kernel_dim",
+                     "conv1d_width", "conv_L_cache"], 4),
+    "time_step_rank": 8, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1,
+    "mamba_n_groups": 1, "mamba_expand": 2, "expand": 2, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "lru_width": _HIDDEN,
+    "a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8,
+    "chunk_size": 16,
+    # vocabulary and positions
+    "vocab_size": VOCAB,
+    **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "block_size",
+                     "model_max_length", "seq_length", "max_seq_len"], 256),
+}
+
+_SKIP_MODULES = {"base", "cache", "switch_layers", "rope_utils", "activations", "pipeline",
+                 "bitlinear_layers", "gated_delta", "mla", "ssm"}
+
+
+def model_types() -> List[str]:
+    """Every module of mlx_lm.models (sorted), whether or not it imports."""
+    import mlx_lm.models as M
+
+    return sorted(m.name for m in pkgutil.iter_modules(M.__path__) if m.name not in _SKIP_MODULES)
+
+
+def _module(model_type: str):
+    """The architecture's module; an import that fails (or exits) raises
+    ImportError with the module's own words."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            return importlib.import_module(f"mlx_lm.models.{model_type}")
+    except SystemExit:
+        raise ImportError(out.getvalue().strip().splitlines()[-1] if out.getvalue().strip()
+                          else "the module exits when imported")
+    except Exception as e:
+        raise ImportError(f"{type(e).__name__}: {e}") from e
+
+
+def _missing(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _args_classes(mod) -> List[type]:
+    """Dataclasses a module builds its config from: ModelArgs first, then any
+    other argument dataclass it defines or imports (text configs of wrappers)."""
+    from mlx_lm.models.base import BaseModelArgs
+
+    found = [mod.ModelArgs]
+    for name, v in vars(mod).items():
+        if isinstance(v, type) and dataclasses.is_dataclass(v) and v not in found and issubclass(v, BaseModelArgs):
+            found.append(v)
+        elif isinstance(v, types.ModuleType) and v.__name__.startswith("mlx_lm.models."):
+            sub = v.__name__.rsplit(".", 1)[-1]
+            if sub not in _SKIP_MODULES and hasattr(v, "ModelArgs") and v.ModelArgs not in found:
+                found.append(v.ModelArgs)
+    return found
+
+
+@lru_cache(maxsize=1)
+def _field_catalogue() -> Dict[str, list]:
+    """Defaults that mlx-lm's architectures give each field name."""
+    seen: Dict[str, list] = collections.defaultdict(list)
+    for mt in model_types():
+        try:
+            mod = _module(mt)
+        except ImportError:
+            continue
+        if not hasattr(mod, "ModelArgs"):
+            continue
+        for cls in _args_classes(mod):
+            for f in dataclasses.fields(cls):
+                d = _default(f)
+                if d is not dataclasses.MISSING and d is not None:
+                    seen[f.name].append(d)
+    return seen
+
+
+def _type_names(t) -> str:
+    return str(t).lower()
+
+
+def _fill(name: str, f: dataclasses.Field, layers: int):
+    """A value for a required field not in SIZES."""
+    t = _type_names(f.type)
+    n = name.lower()
+    if n == "model_type":
+        return None  # set by the caller
+    if "eps" in n or "epsilon" in n:
+        return 1e-5
+    common = _field_catalogue().get(name)
+    if common:
+        # The most frequent default among architectures having this field.
+        by = collections.Counter(json.dumps(v, sort_keys=True, default=str) for v in common)
+        return json.loads(by.most_common(1)[0][0])
+    if "list" in t or "tuple" in t:
+        if "bool" in t:
+            return [i > 0 for i in range(layers)]
+        if "layer" in n:
+            return []
+        return []
+    if "dict" in t:
+        return {}
+    if t in ("<class 'bool'>", "bool"):
+        return False
+    if "float" in t:
+        if "theta" in n or "base" in n:
+            return 10000.0
+        if "limit" in n or "cap" in n:
+            return 30.0
+        return 1.0
+    if "int" in t:
+        if "period" in n or "every" in n or "freq" in n or "step" in n or "share" in n or "group" in n:
+            return 2
+        if "offset" in n or "first" in n or "reuse" in n or "dense" in n:
+            return 1
+        if "size" in n or "dim" in n:
+            return _HIDDEN
+        return 2
+    if "str" in t:
+        return "silu" if "act" in n else "default"
+    return None
+
+
+# Fields that must hold a value when the field exists, even where the
+# default is None (the module reads them unconditionally).
+ALWAYS = {"rope_theta": 10000.0}
+
+
+def _literals(src: str) -> List[str]:
+    """String literals a module compares layer kinds with, in order."""
+    import re
+
+    out = []
+    for m in re.finditer(r"""(?:==|!=|\bin|index\()\s*\(?\s*["']([a-z_]+)["']""", src):
+        if m.group(1) not in out:
+            out.append(m.group(1))
+    return out
+
+
+def _subscripted(src: str, name: str) -> List[str]:
+    """Keys a module reads from dict field `name` by subscript (required ones)."""
+    import re
+
+    keys = []
+    for m in re.finditer(r"\b" + re.escape(name) + r"""\[\s*["'](\w+)["']\s*\]""", src):
+        if m.group(1) not in keys:
+            keys.append(m.group(1))
+    return keys
+
+
+def _key_value(key: str):
+    if key in SIZES:
+        return SIZES[key]
+    common = _field_catalogue().get(key)
+    if common:
+        by = collections.Counter(json.dumps(v, sort_keys=True, default=str) for v in common)
+        return json.loads(by.most_common(1)[0][0])
+    k = key.lower()
+    if "layers" in k:
+        return list(range(1, LAYERS, 2))
+    if "theta" in k:
+        return 10000.0
+    if "type" in k:
+        return "default"
+    if "factor" in k or "scale" in k or "clip" in k:
+        return 1.0
+    return 1
+
+
+def _derive(cls: type, model_type: str, layers: int) -> dict:
+    import inspect
+
+    try:
+        src = inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        src = ""
+    cfg = {}
+    for f in dataclasses.fields(cls):
+        t = _type_names(f.type)
+        if f.name in SIZES:
+            cfg[f.name] = SIZES[f.name]
+        elif f.name == "model_type":
+            cfg[f.name] = model_type
+        elif f.name in ALWAYS and _default(f) in (None, dataclasses.MISSING):
+            cfg[f.name] = ALWAYS[f.name]
+        elif "dict" in t and _default(f) in (None, dataclasses.MISSING) and _subscripted(src, f.name):
+            # A nested config the module reads keys of: those keys.
+            cfg[f.name] = {k: _key_value(k) for k in _subscripted(src, f.name)}
+        elif _missing(f) and "list" in t and "str" in t and "layer" in f.name:
+            # Per-layer kinds: alternate the kinds the module tests for.
+            kinds = _literals(src) or ["full_attention"]
+            cfg[f.name] = [kinds[i % len(kinds)] for i in range(layers)][::-1]
+        elif _missing(f) and "list" in t and "int" in t and "layer" in f.name:
+            cfg[f.name] = list(range(1, layers, 2))  # some layers, by 0- or 1-based index
+        elif _missing(f):
+            cfg[f.name] = _fill(f.name, f, layers)
+    return cfg
+
+
+_NESTED = ("text_config", "ffn_config", "attn_config", "language_config", "llm_config")
+
+
+def derive_config(model_type: str, layers: int = LAYERS) -> dict:
+    """A tiny config.json for `model_type` (see the module docstring)."""
+    mod = _module(model_type)
+    if not (hasattr(mod, "Model") and hasattr(mod, "ModelArgs")):
+        raise ImportError("the module defines no Model/ModelArgs pair (a helper, not an architecture)")
+    classes = _args_classes(mod)
+    cfg = _derive(classes[0], model_type, layers)
+    nested = {}
+    for cls in classes[1:]:
+        sub_type = cls.__module__.rsplit(".", 1)[-1]
+        for k, v in _derive(cls, sub_type, layers).items():
+            nested.setdefault(k, v)
+    # Every size key, so that wrappers reading them from a nested dict find them.
+    for k, v in SIZES.items():
+        nested.setdefault(k, v)
+    for f in dataclasses.fields(classes[0]):
+        if f.name in _NESTED and (_missing(f) or f.name == "text_config"):
+            sub = dict(nested)
+            d = _default(f)
+            if isinstance(d, dict):
+                sub = {**d, **sub}
+            if isinstance(cfg.get(f.name), dict):
+                sub.update(cfg[f.name])  # the keys the module reads win
+            cfg[f.name] = sub
+    return cfg
+
+
+# ------------------------------------------------------------------ building --
+def spec_for(model_type: str, dtype: str, config: Optional[dict] = None) -> modelgen.ModelSpec:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}")
+    cfg = config if config is not None else derive_config(model_type)
+    return modelgen.ModelSpec(
+        arch=model_type, vocab_size=VOCAB, dtype="bfloat16",
+        bits=4 if dtype == "4bit" else None, group_size=32, config=cfg,
+    )
+
+
+def build(model_type: str, dtype: str, root) -> Path:
+    """Generates the tiny model (cached under root by spec)."""
+    spec = spec_for(model_type, dtype)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        return modelgen.generate_model(Path(root) / f"{model_type}-{dtype}-{spec.key()}", spec)
+
+
+# ------------------------------------------------------------------ checking --
+def sample_batch(path, batch_size: int = 2, max_tokens: int = 32) -> Tuple[mx.array, mx.array]:
+    """A (batch, lengths) pair as mlx-lm's iterate_batches makes them: the
+    sample data's first texts tokenized, padded, lengths as (offset, length);
+    the lengths differ so that padding is masked."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(path) / "tokenizer.json"))
+    texts = [json.loads(l)["text"] for l in (modelgen.SAMPLE_DATA / "train.jsonl").read_text().splitlines()[:batch_size]]
+    seqs = []
+    for i, t in enumerate(texts):
+        ids = tok.encode(t)
+        n = max_tokens + 1 - 5 * i  # the first fills the batch, the next are shorter
+        seqs.append(ids[:n] if len(ids) >= n else ids)
+    T = max(len(s) for s in seqs)
+    batch = mx.array([s + [0] * (T - len(s)) for s in seqs])
+    lengths = mx.array([[0, len(s)] for s in seqs])
+    return batch, lengths
+
+
+def reference(path, num_layers: int, dora: bool = False, lora=LORA) -> nn.Module:
+    """The model as mlx_lm.lora trains it: loaded, frozen, LoRA on the last
+    num_layers blocks (the global PRNG seeded for the adapters' init)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path), lazy=True)
+    model.freeze()
+    mx.random.seed(0)
+    linear_to_lora_layers(model, num_layers, lora, use_dora=dora)
+    return model
+
+
+def paged(path, num_layers: int, store: str = "in_place", cache_dir=None, dora: bool = False, lora=LORA):
+    """The same model with its frozen weights paged (PagedWeights), the same
+    adapters. Returns (model, weights)."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    from .step import first_trained_block
+    from .store import PagedWeights
+
+    model, _ = load_model(Path(path), lazy=True)
+    model.freeze()
+    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=cache_dir, store=store)
+    w.pin_resident()
+    mx.random.seed(0)
+    linear_to_lora_layers(model, num_layers, lora, use_dora=dora)
+    if dora:
+        try:  # where the trainer keeps it (session.py since the trainer's split)
+            from .session import init_dora_magnitudes
+        except ImportError:
+            from .trainer import _init_dora_magnitudes as init_dora_magnitudes
+
+        init_dora_magnitudes(model, w, first_trained_block(model))
+    return model, w
+
+
+def bitwise_mismatches(ref: Dict[str, mx.array], got: Dict[str, mx.array]) -> List[str]:
+    """What differs between two {name: array} dicts, bit for bit (NaNs in
+    the same places count as equal)."""
+    bad = []
+    if set(ref) != set(got):
+        missing, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
+        bad.append(f"gradient names differ: missing {missing[:3]}, extra {extra[:3]}")
+    for k in sorted(set(ref) & set(got)):
+        a, b = ref[k], got[k]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            bad.append(f"{k}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}")
+        elif not mx.array_equal(a, b, equal_nan=True).item():
+            d = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            bad.append(f"{k}: max diff {d:.3g}")
+    return bad
+
+
+def compare(path, num_layers: int = 2, store: str = "in_place", cache_dir=None, batch=None,
+            head_chunk_bytes: int = 20_000) -> List[str]:
+    """Runs mlx-lm's step and the paged step on the same batch; returns the
+    differences (empty: bitwise equal). Raises NotPageable (or ValueError)
+    when mlx-pager refuses the model."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    from . import step as S
+
+    batch = batch if batch is not None else sample_batch(path)
+    try:
+        ref = reference(path, num_layers)
+        if not tree_flatten(ref.trainable_parameters()):
+            raise ValueError("mlx-lm's LoRA finds no layer to adapt in its blocks")
+        (loss, ntoks), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+        mx.eval(loss, grads)
+    except Exception as e:
+        raise MlxLmFails(_one_line(e)) from e
+    model, w = paged(path, num_layers, store, cache_dir)
+    losses, toks, pgrads = S.paged_value_and_grad(
+        model, w, [S.MicroBatch.from_batch(*batch)], head_chunk_bytes=head_chunk_bytes
+    )
+    bad = []
+    if not mx.array_equal(losses[0], loss, equal_nan=True).item():
+        bad.append(f"loss {losses[0].item()!r} vs mlx-lm {loss.item()!r}")
+    if toks[0].item() != ntoks.item():
+        bad.append(f"tokens {toks[0].item()} vs {ntoks.item()}")
+    bad += bitwise_mismatches(dict(tree_flatten(grads)), pgrads)
+    if not tree_flatten(grads) and not bad:
+        bad.append("no adapter gradients (mlx-lm put no LoRA layers in the blocks)")
+    return bad
+
+
+class MlxLmFails(Exception):
+    """mlx-lm's own LoRA step fails on the model (nothing to compare with)."""
+
+
+@dataclasses.dataclass
+class Result:
+    model_type: str
+    dtype: str
+    status: str  # "pass", "cannot build", "refused", "fail"
+    reason: str = ""
+    seconds: float = 0.0
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0] if s else ''}"[:300]
+
+
+# The matrix as last recorded on this repository's machine (CPU backend):
+# test_architectures.py fails when one recorded "pass" stops passing.
+# Regenerate with `python -m mlx_pager.architectures --json FILE`.
+RECORDED: Dict[str, Dict[str, str]] = {
+    'Klear': {'bf16': 'cannot build', '4bit': 'pass'},
+    'afm7': {'bf16': 'fail', '4bit': 'cannot build'},
+    'afmoe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'apertus': {'bf16': 'pass', '4bit': 'pass'},
+    'baichuan_m1': {'bf16': 'fail', '4bit': 'pass'},
+    'bailing_hybrid': {'bf16': 'cannot build', '4bit': 'pass'},
+    'bailing_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'bailing_moe_linear': {'bf16': 'cannot build', '4bit': 'pass'},
+    'bailing_moe_v3': {'bf16': 'cannot build', '4bit': 'pass'},
+    'bitnet': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'cohere': {'bf16': 'pass'},
+}
+
+# Architectures whose tiny models would crash the process (so they are not
+# run): what a generated config cannot express.
+EXCLUDED = {
+    "phi3small": "its head writes -inf at hard-coded token ids >= 100256 (its tokenizer's dummy "
+                 "tokens): out of bounds for a small vocabulary, MLX's scatter corrupts the heap",
+}
+
+
+def check(model_type: str, dtype: str, root) -> Result:
+    """Builds and checks one architecture in one dtype."""
+    from .layers import NotPageable
+
+    t0 = time.perf_counter()
+
+    def done(status, reason=""):
+        return Result(model_type, dtype, status, reason, time.perf_counter() - t0)
+
+    if model_type in EXCLUDED:
+        return done("cannot build", EXCLUDED[model_type])
+
+    try:
+        path = build(model_type, dtype, root)
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(path, lazy=True)  # loads as mlx-lm would load it
+        del model
+    except Exception as e:
+        return done("cannot build", _one_line(e))
+    try:
+        bad = compare(path, cache_dir=str(Path(root) / "swap"))
+    except MlxLmFails as e:
+        return done("cannot build", f"mlx-lm's own LoRA step fails: {e}")
+    except NotPageable as e:
+        return done("refused", str(e))
+    except Exception as e:
+        return done("fail", _one_line(e))
+    return done("fail", "; ".join(bad[:3])) if bad else done("pass")
+
+
+def run_matrix(root, archs=None, dtypes=DTYPES, log=None) -> List[Result]:
+    results = []
+    for mt in archs or model_types():
+        for dt in dtypes:
+            r = check(mt, dt, root)
+            results.append(r)
+            mx.clear_cache()
+            if log:
+                log(r)
+    return results
+
+
+def markdown(results: List[Result]) -> str:
+    by = collections.OrderedDict()
+    for r in results:
+        by.setdefault(r.model_type, {})[r.dtype] = r
+    dts = [d for d in DTYPES if any(d in v for v in by.values())]
+    lines = ["| architecture | " + " | ".join(dts) + " | why |", "|---" * (len(dts) + 2) + "|"]
+    for mt, rs in by.items():
+        cells, why = [], []
+        for d in dts:
+            r = rs.get(d)
+            cells.append(r.status if r else "")
+            if r and r.status != "pass" and r.reason and r.reason not in why:
+                why.append(r.reason)
+        lines.append(f"| {mt} | " + " | ".join(cells) + " | " + " / ".join(why).replace("|", "\\|") + " |")
+    counts = collections.Counter((r.dtype, r.status) for r in results)
+    summary = "; ".join(
+        f"{d}: " + ", ".join(f"{counts[(d, s)]} {s}" for s in ("pass", "refused", "cannot build", "fail") if counts[(d, s)])
+        for d in dts
+    )
+    return "\n".join(lines) + f"\n\n{summary}\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--markdown", action="store_true", help="print the matrix as a markdown table")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--arch", action="append", help="only these architectures")
+    p.add_argument("--dtype", action="append", choices=DTYPES)
+    p.add_argument("--root", help="where models are generated (default: a temporary folder)")
+    a = p.parse_args(argv)
+    root = a.root or tempfile.mkdtemp(prefix="mlx-pager-archs-")
+
+    def log(r):
+        print(f"{r.model_type:24s} {r.dtype:5s} {r.status:12s} {r.seconds:5.1f}s {r.reason}", file=sys.stderr)
+
+    results = run_matrix(root, a.arch, a.dtype or DTYPES, log)
+    if a.json:
+        Path(a.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    if a.markdown:
+        print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Every mlx-lm architecture: a tiny generated model of each model_type in
+mlx_lm.models, in bf16 and 4-bit, paged; its loss and every adapter gradient
+must be BITWISE mlx-lm's (default_loss under nn.value_and_grad, same batch).
+
+An architecture that cannot be built (or whose own mlx-lm LoRA step fails),
+or that mlx-pager refuses with its one-line reason, is reported as a skip
+with the reason. One recorded as passing (architectures.RECORDED) that no
+longer passes fails, as does any architecture that builds and is not refused
+but does not match."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_pager import architectures as A
+
+
+@pytest.fixture(scope="session")
+def arch_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("archs")
+
+
+@pytest.mark.parametrize("dtype", A.DTYPES)
+@pytest.mark.parametrize("model_type", A.model_types())
+def test_architecture_is_paged_bitwise(arch_root, model_type, dtype):
+    r = A.check(model_type, dtype, arch_root)
+    mx.clear_cache()
+    recorded = A.RECORDED.get(model_type, {}).get(dtype)
+    if r.status == "pass":
+        return
+    if recorded == "pass":
+        pytest.fail(f"{model_type} {dtype} passed before, now {r.status}: {r.reason}")
+    if r.status in ("cannot build", "refused"):
+        pytest.skip(f"{r.status}: {r.reason}")
+    if recorded == "fail":
+        pytest.xfail(f"known mismatch: {r.reason}")
+    pytest.fail(f"{model_type} {dtype}: {r.reason}")
+
+
+def test_refusals_are_one_line(arch_root):
+    """A model whose blocks cannot be paged is refused with one line naming
+    the architecture, not a traceback."""
+    r = A.check("rwkv7", "bf16", arch_root)
+    assert r.status in ("refused", "pass", "cannot build")
+    if r.status == "refused":
+        assert r.reason.startswith("rwkv7: ") and "\n" not in r.reason
+
+
+def test_derived_configs_are_tiny():
+    for mt in ("llama", "qwen3_moe", "deepseek_v3", "gemma3"):
+        cfg = A.derive_config(mt)
+        flat = {**cfg, **cfg.get("text_config", {})}
+        assert flat["hidden_size"] <= 64 and flat["num_hidden_layers"] <= A.LAYERS
+        assert flat["vocab_size"] == A.VOCAB
