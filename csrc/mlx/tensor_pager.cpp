@@ -9,6 +9,7 @@
 #include <mlx/transforms.h>
 
 #include "mm/layout.h"
+#include "mm/safetensors.h"
 
 namespace mlx_pager {
 
@@ -16,7 +17,8 @@ static std::uint64_t spec_nbytes(const TensorSpec& t) {
   std::uint64_t n = mx::size_of(t.dtype);
   for (auto d : t.shape) {
     if (d < 0) {
-      throw std::invalid_argument("tensor '" + t.name + "' has a negative dimension");
+      throw std::invalid_argument(
+          "[TensorPager] tensor '" + t.name + "' has a negative dimension");
     }
     n *= static_cast<std::uint64_t>(d);
   }
@@ -138,37 +140,60 @@ NamedArrays TensorPager::acquire(PageId id) {
 }
 
 std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& arrays) {
-  std::uint64_t start = writer.begin_page();
+  // The layout is plan_swap_page's, the one add_page_from_swap reads back.
+  std::vector<std::uint64_t> nbytes;
+  nbytes.reserve(arrays.size());
   for (const mx::array& a : arrays) {
-    mx::array c = a;
+    nbytes.push_back(a.nbytes());
+  }
+  SwapPageLayout layout = plan_swap_page(nbytes);
+  std::uint64_t start = writer.begin_page();
+  for (std::size_t i = 0; i < arrays.size(); ++i) {
+    mx::array c = arrays[i];
     mx::eval(c);
     if (!c.flags().row_contiguous) {
       c = mx::contiguous(c);  // e.g. a transposed or broadcast array
       mx::eval(c);
     }
-    writer.pad_to(kTensorAlign);
+    writer.fill_to(start + layout.offsets[i]);
     writer.write(c.data<char>(), c.nbytes());
   }
-  writer.pad_to(kIoAlign);
+  writer.fill_to(start + layout.bytes);
   return start;
 }
 
+static mx::Dtype to_mlx(ScalarType t) {
+  switch (t) {  // exhaustive: a new ScalarType fails to compile (-Wswitch)
+    case ScalarType::bool_: return mx::bool_;
+    case ScalarType::uint8: return mx::uint8;
+    case ScalarType::int8: return mx::int8;
+    case ScalarType::uint16: return mx::uint16;
+    case ScalarType::int16: return mx::int16;
+    case ScalarType::uint32: return mx::uint32;
+    case ScalarType::int32: return mx::int32;
+    case ScalarType::uint64: return mx::uint64;
+    case ScalarType::int64: return mx::int64;
+    case ScalarType::float16: return mx::float16;
+    case ScalarType::bfloat16: return mx::bfloat16;
+    case ScalarType::float32: return mx::float32;
+    case ScalarType::float64: return mx::float64;
+    case ScalarType::complex64: return mx::complex64;
+  }
+  throw std::logic_error("[dtype_from_safetensors] unhandled scalar type");
+}
+
 mx::Dtype dtype_from_safetensors(const std::string& d) {
-  if (d == "BOOL") return mx::bool_;
-  if (d == "U8" || d == "F8_E4M3" || d == "F8_E5M2" || d == "F8_E8M0") return mx::uint8;
-  if (d == "I8") return mx::int8;
-  if (d == "U16") return mx::uint16;
-  if (d == "I16") return mx::int16;
-  if (d == "U32") return mx::uint32;
-  if (d == "I32") return mx::int32;
-  if (d == "U64") return mx::uint64;
-  if (d == "I64") return mx::int64;
-  if (d == "F16") return mx::float16;
-  if (d == "BF16") return mx::bfloat16;
-  if (d == "F32") return mx::float32;
-  if (d == "F64") return mx::float64;
-  if (d == "C64") return mx::complex64;
-  throw std::invalid_argument("unknown safetensors dtype '" + d + "'");
+  const SafetensorsDtype* row = find_safetensors_dtype(d);
+  if (row == nullptr) {
+    throw std::invalid_argument(
+        "[dtype_from_safetensors] unknown safetensors dtype '" + d + "'");
+  }
+  mx::Dtype dtype = to_mlx(row->type);
+  if (mx::size_of(dtype) != row->itemsize) {
+    throw std::logic_error(
+        "[dtype_from_safetensors] item size of '" + d + "' disagrees with MLX");
+  }
+  return dtype;
 }
 
 }  // namespace mlx_pager

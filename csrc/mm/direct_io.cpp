@@ -19,7 +19,7 @@ namespace {
 std::atomic<bool> g_refuse_direct{false};
 
 [[noreturn]] void throw_errno(int err, const std::string& what) {
-  throw std::system_error(err, std::generic_category(), what);
+  throw std::system_error(err, std::generic_category(), "[DirectFile] " + what);
 }
 
 // Turns off caching on an already open descriptor where the platform has a

@@ -187,7 +187,7 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
         files += (files.empty() ? "" : ", ") + p;
       }
     }
-    e.error = "[mlx_pager] cannot read page '" + e.spec.name + "' from " +
+    e.error = "[Pager::acquire] cannot read page '" + e.spec.name + "' from " +
         files + ": " + what;
     e.failed_gen = gen;
     ++stat_.read_errors;

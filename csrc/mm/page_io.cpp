@@ -98,7 +98,7 @@ std::uint64_t PageIO::read_now(const ReadOp& op) {
   if (got < op.required) {
     throw std::system_error(
         EIO, std::generic_category(),
-        "short read of " + op.file->path() + " at offset " +
+        "[PageIO::read_now] short read of " + op.file->path() + " at offset " +
             std::to_string(op.offset) + ": needed " +
             std::to_string(op.required) + " bytes, the file has " +
             std::to_string(got));
@@ -133,7 +133,7 @@ void PageIO::worker() {
         if (!c.batch->error_) {
           c.batch->error_ = std::make_exception_ptr(std::system_error(
               err, std::generic_category(),
-              "pread(" + c.op.file->path() + ", offset " +
+              "[PageIO] pread(" + c.op.file->path() + ", offset " +
                   std::to_string(c.op.offset) + ") [injected]"));
         }
       } else {

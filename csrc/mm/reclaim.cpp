@@ -39,7 +39,8 @@ Policy policy_from_string(const std::string& s) {
     return Policy::optimal;
   }
   throw std::invalid_argument(
-      "unknown eviction policy '" + s + "': use 'lru' or 'optimal'");
+      "[policy_from_string] unknown eviction policy '" + s +
+      "': use 'lru' or 'optimal'");
 }
 
 // True when `a` should be evicted before `b`.
@@ -124,7 +125,7 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
   check_accounting_locked(lock);
   if (need > budget_) {
     throw BudgetError(
-        "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
+        "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
         std::to_string(need) + " bytes but the page budget is " +
         std::to_string(budget_) + " bytes: raise the budget to at least " +
         std::to_string(need + pinned_bytes_locked(lock)) + " bytes");
@@ -169,7 +170,7 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
         continue;
       }
       throw BudgetError(
-          "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
+          "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
           std::to_string(need) + " bytes; the budget is " +
           std::to_string(budget_) + " and " +
           std::to_string(charged - held_bytes_) +
@@ -177,7 +178,7 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
           "drop the arrays acquire() returned once release() is called");
     }
     throw BudgetError(
-        "[mlx_pager] page '" + table_.at(for_page).spec.name + "' needs " +
+        "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
         std::to_string(need) + " bytes but only " +
         std::to_string(budget_ - std::min(budget_, charged)) +
         " of the budget's " + std::to_string(budget_) +

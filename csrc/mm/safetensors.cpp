@@ -21,7 +21,7 @@ class Json {
 
   [[noreturn]] void fail(const std::string& what) const {
     throw std::runtime_error(
-        "[safetensors] " + path_ + ": bad header at byte " +
+        "[read_safetensors_index] " + path_ + ": bad header at byte " +
         std::to_string(pos_) + ": " + what);
   }
   void ws() {
@@ -60,7 +60,7 @@ class Json {
             if (pos_ + 4 > s_.size()) {
               fail("short \\u escape");
             }
-            unsigned cp = std::stoul(s_.substr(pos_, 4), nullptr, 16);
+            unsigned cp = hex4(s_.substr(pos_, 4));
             pos_ += 4;
             // UTF-8 encode (surrogate pairs are kept as two code points).
             if (cp < 0x80) {
@@ -96,7 +96,12 @@ class Json {
     if (start == pos_) {
       fail("expected an integer");
     }
-    return std::stoll(s_.substr(start, pos_ - start));
+    try {
+      return std::stoll(s_.substr(start, pos_ - start));
+    } catch (const std::out_of_range&) {
+      pos_ = start;
+      fail("integer out of range");
+    }
   }
   std::vector<std::int64_t> int_array() {
     std::vector<std::int64_t> out;
@@ -146,6 +151,22 @@ class Json {
       }
     }
   }
+  // The code point of a \\u escape's four hex digits (std::stoul would
+  // accept fewer, and its errors would not name the file).
+  unsigned hex4(const std::string& digits) const {
+    unsigned cp = 0;
+    for (char c : digits) {
+      int v = c >= '0' && c <= '9' ? c - '0'
+          : c >= 'a' && c <= 'f'   ? c - 'a' + 10
+          : c >= 'A' && c <= 'F'   ? c - 'A' + 10
+                                   : -1;
+      if (v < 0) {
+        fail("bad \\u escape");
+      }
+      cp = cp * 16 + static_cast<unsigned>(v);
+    }
+    return cp;
+  }
   bool at_end() {
     ws();
     return pos_ >= s_.size();
@@ -159,27 +180,35 @@ class Json {
 
 }  // namespace
 
+const SafetensorsDtype* find_safetensors_dtype(const std::string& d) {
+  static constexpr SafetensorsDtype kTable[] = {
+      {"BOOL", ScalarType::bool_, 1},     {"U8", ScalarType::uint8, 1},
+      {"I8", ScalarType::int8, 1},        {"F8_E4M3", ScalarType::uint8, 1},
+      {"F8_E5M2", ScalarType::uint8, 1},  {"F8_E8M0", ScalarType::uint8, 1},
+      {"U16", ScalarType::uint16, 2},     {"I16", ScalarType::int16, 2},
+      {"F16", ScalarType::float16, 2},    {"BF16", ScalarType::bfloat16, 2},
+      {"U32", ScalarType::uint32, 4},     {"I32", ScalarType::int32, 4},
+      {"F32", ScalarType::float32, 4},    {"U64", ScalarType::uint64, 8},
+      {"I64", ScalarType::int64, 8},      {"F64", ScalarType::float64, 8},
+      {"C64", ScalarType::complex64, 8},
+  };
+  for (const SafetensorsDtype& row : kTable) {
+    if (d == row.name) {
+      return &row;
+    }
+  }
+  return nullptr;
+}
+
 std::uint32_t safetensors_itemsize(const std::string& d) {
-  if (d == "BOOL" || d == "U8" || d == "I8" || d == "F8_E4M3" || d == "F8_E5M2" ||
-      d == "F8_E8M0") {
-    return 1;
-  }
-  if (d == "U16" || d == "I16" || d == "F16" || d == "BF16") {
-    return 2;
-  }
-  if (d == "U32" || d == "I32" || d == "F32") {
-    return 4;
-  }
-  if (d == "U64" || d == "I64" || d == "F64" || d == "C64") {
-    return 8;
-  }
-  return 0;
+  const SafetensorsDtype* row = find_safetensors_dtype(d);
+  return row ? row->itemsize : 0;
 }
 
 SafetensorsIndex read_safetensors_index(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    throw std::runtime_error("[safetensors] cannot open " + path);
+    throw std::runtime_error("[read_safetensors_index] cannot open " + path);
   }
   in.seekg(0, std::ios::end);
   SafetensorsIndex idx;
@@ -189,7 +218,7 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
   unsigned char len_bytes[8];
   if (idx.file_size < 8 || !in.read(reinterpret_cast<char*>(len_bytes), 8)) {
     throw std::runtime_error(
-        "[safetensors] " + path + " is too short to be a safetensors file (" +
+        "[read_safetensors_index] " + path + " is too short to be a safetensors file (" +
         std::to_string(idx.file_size) + " bytes)");
   }
   std::uint64_t n = 0;
@@ -198,13 +227,13 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
   }
   if (n > idx.file_size - 8 || n > kMaxHeaderBytes) {
     throw std::runtime_error(
-        "[safetensors] " + path + ": header length " + std::to_string(n) +
+        "[read_safetensors_index] " + path + ": header length " + std::to_string(n) +
         " runs past the end of the file (" + std::to_string(idx.file_size) +
         " bytes); the file is truncated or not safetensors");
   }
   std::string text(n, '\0');
   if (!in.read(text.data(), static_cast<std::streamsize>(n))) {
-    throw std::runtime_error("[safetensors] " + path + ": cannot read header");
+    throw std::runtime_error("[read_safetensors_index] " + path + ": cannot read header");
   }
   idx.data_start = 8 + n;
   Json j(text, path);
@@ -276,7 +305,7 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
       }
       if (e.offset + e.nbytes > idx.file_size) {
         throw std::runtime_error(
-            "[safetensors] " + path + ": tensor '" + name + "' ends at byte " +
+            "[read_safetensors_index] " + path + ": tensor '" + name + "' ends at byte " +
             std::to_string(e.offset + e.nbytes) + " but the file has " +
             std::to_string(idx.file_size) +
             " bytes; the file is truncated (download or copy it again)");

@@ -32,6 +32,26 @@ struct SafetensorsIndex {
 // header past the end, bad JSON, offsets outside the data, wrong sizes).
 SafetensorsIndex read_safetensors_index(const std::string& path);
 
+// The element types a safetensors dtype name stands for, in MLX's terms (the
+// MLX layer maps each to its mx::Dtype with an exhaustive switch). The FP8
+// formats, which MLX has no type for, are raw bytes (uint8).
+enum class ScalarType {
+  bool_, uint8, int8, uint16, int16, uint32, int32, uint64, int64,
+  float16, bfloat16, float32, float64, complex64,
+};
+
+// One row of the dtype table: the name as written in headers, its element
+// type and size in bytes.
+struct SafetensorsDtype {
+  const char* name;
+  ScalarType type;
+  std::uint32_t itemsize;
+};
+
+// The table's row for a dtype name; nullptr if unknown. The one list of
+// safetensors dtypes mlx-pager knows.
+const SafetensorsDtype* find_safetensors_dtype(const std::string& dtype);
+
 // Bytes per element of a safetensors dtype name; 0 if unknown.
 std::uint32_t safetensors_itemsize(const std::string& dtype);
 

@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace mlx_pager {
 
@@ -22,7 +23,7 @@ void SwapWriter::flush_full() {
 
 void SwapWriter::write(const void* src, std::size_t n) {
   if (finished_) {
-    throw std::logic_error("[SwapWriter] write after finish()");
+    throw std::logic_error("[SwapWriter::write] write after finish()");
   }
   const char* p = static_cast<const char*>(src);
   while (n > 0) {
@@ -45,6 +46,15 @@ void SwapWriter::write(const void* src, std::size_t n) {
 void SwapWriter::pad_to(std::uint64_t align) {
   std::uint64_t target = align_up(pos_, align);
   write(nullptr, target - pos_);
+}
+
+void SwapWriter::fill_to(std::uint64_t position) {
+  if (position < pos_) {
+    throw std::logic_error(
+        "[SwapWriter::fill_to] position " + std::to_string(position) +
+        " is behind what was written (" + std::to_string(pos_) + " bytes)");
+  }
+  write(nullptr, position - pos_);
 }
 
 std::uint64_t SwapWriter::begin_page() {

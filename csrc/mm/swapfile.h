@@ -38,6 +38,8 @@ class SwapWriter {
   void write(const void* src, std::size_t n);
   // Appends zeros up to the next multiple of `align`.
   void pad_to(std::uint64_t align);
+  // Appends zeros up to `position` (at or after the current position).
+  void fill_to(std::uint64_t position);
   std::uint64_t position() const { return pos_; }
   // Flushes, trims the file to what was written (padded to kIoAlign) and
   // syncs it to the device. Returns the file size.

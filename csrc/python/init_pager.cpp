@@ -25,7 +25,7 @@ PageId page_id(const TensorPager& tp, const nb::handle& page) {
   }
   auto id = nb::cast<std::int64_t>(page);
   if (id < 0 || static_cast<std::size_t>(id) >= tp.pager().num_pages()) {
-    throw nb::index_error(("no page with id " + std::to_string(id)).c_str());
+    throw nb::index_error(("[Pager] no page with id " + std::to_string(id)).c_str());
   }
   return static_cast<PageId>(id);
 }
@@ -67,7 +67,7 @@ void init_pager(nb::module_& m) {
              PagerConfig c;
              if (readahead_mode != "conservative" && readahead_mode != "aggressive") {
                throw std::invalid_argument(
-                   "readahead_mode must be 'conservative' or 'aggressive', not '" + readahead_mode + "'");
+                   "[Pager] readahead_mode must be 'conservative' or 'aggressive', not '" + readahead_mode + "'");
              }
              c.readahead_aggressive = readahead_mode == "aggressive";
              c.budget_bytes = budget_bytes;

@@ -51,3 +51,18 @@ TEST_CASE("safetensors: bad JSON, sizes and dtypes are errors naming the file") 
   auto p3 = write_raw("dtype.safetensors", R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 4);
   CHECK_THROWS_WITH(read_safetensors_index(p3), "unknown dtype 'Q7'");
 }
+
+TEST_CASE("safetensors: bad escapes and huge integers name the file, not stoul") {
+  auto p1 = write_raw("esc.safetensors", R"({"w\uZZZZ":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4);
+  CHECK_THROWS_WITH(read_safetensors_index(p1), "esc.safetensors");
+  CHECK_THROWS_WITH(read_safetensors_index(p1), "bad \\u escape");
+  auto p2 = write_raw("big.safetensors", R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,4]}})", 4);
+  CHECK_THROWS_WITH(read_safetensors_index(p2), "big.safetensors");
+  CHECK_THROWS_WITH(read_safetensors_index(p2), "[read_safetensors_index]");
+}
+
+TEST_CASE("safetensors: one dtype table gives names, types and sizes") {
+  CHECK(find_safetensors_dtype("Q7") == nullptr);
+  CHECK(find_safetensors_dtype("F8_E4M3")->type == ScalarType::uint8);
+  CHECK_EQ(find_safetensors_dtype("C64")->itemsize, 8u);
+}

@@ -45,3 +45,13 @@ TEST_CASE("swapfile: pages written through the staging pool read back exactly") 
     aligned_free_io(buf);
   }
 }
+
+TEST_CASE("swapfile: fill_to pads with zeros and refuses to go back") {
+  std::string path = check::temp_dir() + "/fill.bin";
+  SwapWriter w(path, 1 << 20, /*staging_bytes=*/kIoAlign);
+  w.write("ab", 2);
+  w.fill_to(kTensorAlign);
+  CHECK_EQ(w.position(), kTensorAlign);
+  CHECK_THROWS_WITH(w.fill_to(1), "[SwapWriter::fill_to]");
+  CHECK_EQ(w.finish(), kIoAlign);
+}
