@@ -1,6 +1,9 @@
 // mlx_frames.cpp: frames allocated by MLX, and zero-copy views into them.
 #include "mlx/mlx_frames.h"
 
+#include <algorithm>
+#include <atomic>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -29,33 +32,45 @@ std::uint64_t MlxFrameAllocator::footprint(std::uint64_t bytes) const {
 Frame MlxFrameAllocator::allocate(
     std::uint64_t bytes,
     std::function<void()> on_free) {
-  std::uint64_t total = footprint(bytes);
-  if (total > static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max())) {
+  std::uint64_t request = footprint(bytes);
+  if (request > static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max())) {
     // MLX shapes are int32: a single frame must stay under 2 GiB.
     throw std::invalid_argument(
-        "[MlxFrameAllocator] a page of " + std::to_string(bytes) +
+        "[MlxFrameAllocator::allocate] a page of " + std::to_string(bytes) +
         " bytes is larger than one MLX array can be (2 GiB): split the page");
   }
-  mx::allocator::Buffer buf = mx::allocator::allocator().malloc(total);
+  // Set once the frame is handed out: if building it throws, the buffer is
+  // freed without on_free (the caller never saw the frame).
+  auto handed_out = std::make_shared<std::atomic<bool>>(false);
+  mx::allocator::Allocator& mlx_alloc = mx::allocator::allocator();
+  mx::allocator::Buffer buf = mlx_alloc.malloc(request);
   if (buf.ptr() == nullptr) {
     throw std::bad_alloc();
   }
+  // What the buffer really holds: Metal rounds up to pages, and every
+  // backend's cache may hand back a larger free buffer (the CPU one does,
+  // up to two pages larger).
+  std::uint64_t exact = mlx_alloc.size(buf);
   auto* raw = static_cast<char*>(buf.raw_ptr());
   std::uint64_t offset = align_up(reinterpret_cast<std::uintptr_t>(raw), kIoAlign) -
       reinterpret_cast<std::uintptr_t>(raw);
   mx::array base(
       mx::allocator::Data(
           buf,
-          [on_free = std::move(on_free)](mx::allocator::Buffer b) {
+          [on_free = std::move(on_free), handed_out](mx::allocator::Buffer b) {
             mx::allocator::allocator().free(b);
-            on_free();
+            if (handed_out->load()) {
+              on_free();
+            }
           }),
-      mx::Shape{static_cast<int32_t>(total)},
+      mx::Shape{static_cast<int32_t>(request)},
       mx::uint8);
   Frame f;
   f.data = raw + offset;
   f.size = bytes;
+  f.footprint = std::max(exact, request);
   f.owner = std::make_shared<MlxFrameOwner>(MlxFrameOwner{std::move(base), offset});
+  handed_out->store(true);
   return f;
 }
 
@@ -65,15 +80,24 @@ mx::array MlxFrameAllocator::view(
     mx::Dtype dtype,
     const mx::Shape& shape) {
   const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());
+  std::uint64_t item = mx::size_of(dtype);
+  // copy_shared_buffer's offset counts elements of the new dtype, from the
+  // buffer's raw_ptr: the tensor must start at a whole element both in the
+  // frame and from raw_ptr (which the frame start is aligned against).
   std::uint64_t byte_offset = owner.data_offset + frame_offset;
-  std::size_t item = mx::size_of(dtype);
-  if (byte_offset % item != 0) {
-    throw std::logic_error("[MlxFrameAllocator::view] misaligned tensor offset");
+  if (frame_offset % item != 0 || byte_offset % item != 0) {
+    throw std::logic_error(
+        "[MlxFrameAllocator::view] tensor offset " + std::to_string(frame_offset) +
+        " is not a multiple of its item size " + std::to_string(item));
   }
   mx::array out(shape, dtype, nullptr, {});
   std::uint64_t nbytes = out.nbytes();
-  if (frame_offset + nbytes > frame.size) {
-    throw std::logic_error("[MlxFrameAllocator::view] tensor runs past its frame");
+  // Written so that nothing overflows: frame.size < 2 GiB (allocate).
+  if (nbytes > frame.size || frame_offset > frame.size - nbytes) {
+    throw std::logic_error(
+        "[MlxFrameAllocator::view] tensor of " + std::to_string(nbytes) +
+        " bytes at offset " + std::to_string(frame_offset) +
+        " runs past its frame of " + std::to_string(frame.size) + " bytes");
   }
   mx::Strides strides(shape.size());
   int64_t stride = 1;
@@ -89,8 +113,9 @@ mx::array MlxFrameAllocator::view(
     nontrivial += d > 1;
   }
   flags.col_contiguous = nontrivial <= 1;
-  // copy_shared_buffer's offset counts elements of the new array's dtype.
-  out.copy_shared_buffer(owner.base, strides, flags, out.size(), byte_offset / item);
+  out.copy_shared_buffer(
+      owner.base, strides, flags, out.size(),
+      static_cast<std::int64_t>(byte_offset / item));
   out.set_status(mx::array::Status::available);
   return out;
 }

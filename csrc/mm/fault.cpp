@@ -109,13 +109,16 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   note_peak_locked(lock);
 
   // Allocate without the lock: the allocator may be slow or call into MLX.
+  // The frame's on_free credits back whatever it is charged when it goes:
+  // the reservation now, its exact footprint once known.
+  auto charge = std::make_shared<std::atomic<std::uint64_t>>(need);
   lock.unlock();
   Frame frame;
   std::exception_ptr alloc_error;
   try {
     auto acct = accounting_;
     frame = allocator_->allocate(
-        e.spec.frame_bytes, [acct, need] { acct->sub(need); });
+        e.spec.frame_bytes, [acct, charge] { acct->sub(charge->load()); });
   } catch (...) {
     alloc_error = std::current_exception();
   }
@@ -134,6 +137,35 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   MLX_PAGER_ASSERT(frame.data != nullptr && frame.size >= e.spec.frame_bytes);
   MLX_PAGER_ASSERT(reinterpret_cast<std::uintptr_t>(frame.data) % kIoAlign == 0);
   e.frame = frame;
+  if (frame.footprint > need &&
+      charged_now() + (frame.footprint - need) > budget_) {
+    // The allocator handed out more than reserved (a larger cached buffer):
+    // a fault makes room for the rest, readahead gives up this read.
+    std::exception_ptr room_error;
+    if (urgent) {
+      try {
+        make_room_locked(lock, frame.footprint - need, id);
+      } catch (...) {
+        room_error = std::current_exception();
+      }
+    }
+    if (!urgent || room_error) {
+      abandon_read_locked(lock, id);
+      if (room_error) {
+        std::rethrow_exception(room_error);
+      }
+      return;
+    }
+  }
+  // Charge the exact footprint in place of the reservation.
+  if (frame.footprint != need) {
+    accounting_->add(frame.footprint);
+    accounting_->sub(need);
+    held_bytes_ = held_bytes_ - need + frame.footprint;
+    e.charged = frame.footprint;
+    charge->store(frame.footprint);
+    note_peak_locked(lock);
+  }
   std::vector<ReadOp> ops;
   ops.reserve(e.spec.extents.size());
   for (const Extent& x : e.spec.extents) {
@@ -152,6 +184,22 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
       std::move(ops),
       [this, id, gen](IoBatch& b) { complete_read(id, gen, b); },
       urgent);
+  lock.lock();
+}
+
+void Pager::abandon_read_locked(Lock& lock, PageId id) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  PageEntry& e = table_.at(id);
+  MLX_PAGER_ASSERT(e.state == PageState::in_flight);
+  std::shared_ptr<void> dead = std::move(e.frame.owner);
+  e.frame = Frame{};
+  held_bytes_ -= e.charged;
+  e.charged = 0;
+  e.state = PageState::on_disk;
+  e.prefetched = false;
+  cv_.notify_all();
+  lock.unlock();
+  dead.reset();  // its on_free credits the reservation back
   lock.lock();
 }
 

@@ -17,6 +17,7 @@ Frame HeapFrameAllocator::allocate(
   Frame f;
   f.data = p;
   f.size = n;
+  f.footprint = n;
   f.owner = std::shared_ptr<void>(p, [on_free = std::move(on_free)](void* q) {
     aligned_free_io(q);
     on_free();

@@ -19,18 +19,24 @@ namespace mlx_pager {
 struct Frame {
   char* data = nullptr;  // aligned to kIoAlign
   std::size_t size = 0;  // usable bytes at data
+  // Bytes the allocation really costs (what the budget is charged): at least
+  // footprint(size) asked for; more when the backend rounds up or hands back
+  // a larger cached buffer.
+  std::uint64_t footprint = 0;
   std::shared_ptr<void> owner;  // keeps the memory alive
 };
 
 class FrameAllocator {
  public:
   virtual ~FrameAllocator() = default;
-  // Bytes an allocation of `bytes` usable bytes costs (what the budget is
-  // charged). Must be exact for the accounting to be exact.
+  // Bytes an allocation of `bytes` usable bytes asks the backend for: what
+  // the pager reserves in the budget before allocating. The allocated
+  // frame's `footprint` is the exact cost, charged once it is known.
   virtual std::uint64_t footprint(std::uint64_t bytes) const = 0;
-  // Allocates a frame of at least `bytes` usable bytes aligned to kIoAlign.
-  // `on_free` must run exactly once, when the memory is released.
-  // Throws std::bad_alloc (or the backend's error) on failure.
+  // Allocates a frame of at least `bytes` usable bytes aligned to kIoAlign,
+  // with `footprint` set to what the memory really costs. `on_free` runs
+  // exactly once, when the memory of the returned frame is released; never
+  // when allocate throws. Throws std::bad_alloc (or the backend's error).
   virtual Frame allocate(std::uint64_t bytes, std::function<void()> on_free) = 0;
 };
 

@@ -154,8 +154,14 @@ class Pager {
   // Starts reading an on_disk page (urgent: a fault, which first makes room
   // and may wait; else readahead, which the caller made room for). Drops the
   // lock; returns with the page in flight, or unchanged when another thread
-  // started it meanwhile. Throws what the allocator or make_room throws.
+  // started it meanwhile, or on disk when readahead gave it up (the frame
+  // cost more than reserved and did not fit). The budget is reserved at
+  // FrameAllocator::footprint before allocating, then charged at the frame's
+  // exact footprint. Throws what the allocator or make_room throws.
   void start_read_locked(Lock& lock, PageId id, bool urgent);
+  // Puts a page whose read was started but not submitted back on disk and
+  // frees its frame (with the lock released).
+  void abandon_read_locked(Lock& lock, PageId id);
   // The I/O completion of a read (takes mu_ itself).
   void complete_read(PageId id, std::uint64_t gen, IoBatch& batch);
   void advance_cursor_locked(const Lock& lock, PageId id);

@@ -63,7 +63,7 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     std::uint64_t charged = charged_now();
     if (charged + need <= budget_) {
       start_read_locked(lock, id, /*urgent=*/false);
-      return true;
+      return e.state != PageState::on_disk;  // on disk: it did not fit
     }
     if (charged > held_bytes_) {
       return false;  // evicted memory not yet freed: do not wait here

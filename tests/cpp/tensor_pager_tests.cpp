@@ -9,6 +9,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include <mlx/allocator.h>
 #include <mlx/mlx.h>
 
 #include "check.h"
@@ -269,4 +270,51 @@ TEST_CASE("tensor_pager: readahead and faults racing on the same pages give corr
   for (auto& th : threads) th.join();
   CHECK_EQ(wrong.load(), 0);
   CHECK(tp.pager().stats().peak_resident_bytes <= tp.pager().budget());
+}
+
+TEST_CASE("tensor_pager: frames are charged what MLX's allocator really hands out") {
+  std::unordered_map<std::string, mx::array> one = {{"w", mx::ones({100, 1000})}};
+  mx::eval(one.at("w"));
+  std::string path = check::temp_dir() + "/exact.safetensors";
+  mx::save_safetensors(path, one);
+  one.clear();
+  TensorPager tp(cfg(64 << 20));
+  PageId id = tp.add_page_in_place("exact", from_index(read_safetensors_index(path)));
+  auto& mlx_alloc = mx::allocator::allocator();
+  std::uint64_t request = MlxFrameAllocator().footprint(tp.pager().spec(id).frame_bytes);
+  // Leave a slightly larger free buffer in MLX's cache: its CPU allocator
+  // hands it back for the frame (reuse up to two pages larger).
+  mx::clear_cache();
+  mlx_alloc.free(mlx_alloc.malloc(request + kIoAlign));
+  std::size_t active_before = mx::get_active_memory();
+  {
+    NamedArrays got = tp.acquire(id);
+    std::uint64_t exact = mlx_alloc.size(got[0].second.buffer());
+    std::cerr << "  requested " << request << ", MLX handed out " << exact << " bytes\n";
+    CHECK(exact >= request);
+    CHECK_EQ(tp.pager().stats().resident_bytes_now, exact);
+    CHECK_EQ(mx::get_active_memory() - active_before, exact);
+    tp.release(id);
+    tp.pager().evict_all();
+    CHECK_EQ(tp.pager().stats().resident_bytes_now, exact);  // still viewed here
+  }
+  CHECK_EQ(tp.pager().stats().resident_bytes_now, 0u);  // credited back exactly
+}
+
+TEST_CASE("tensor_pager: views check item alignment and frame bounds; on_free runs once") {
+  MlxFrameAllocator alloc;
+  int freed = 0;
+  {
+    Frame f = alloc.allocate(100, [&] { ++freed; });
+    CHECK(f.footprint >= alloc.footprint(100));
+    CHECK(reinterpret_cast<std::uintptr_t>(f.data) % kIoAlign == 0);
+    CHECK_THROWS_WITH(MlxFrameAllocator::view(f, 2, mx::float32, {4}), "not a multiple of its item size 4");
+    CHECK_THROWS_WITH(MlxFrameAllocator::view(f, 0, mx::float32, {1000}), "runs past its frame");
+    CHECK_THROWS_WITH(MlxFrameAllocator::view(f, 96, mx::float32, {2}), "runs past its frame");
+    mx::array v = MlxFrameAllocator::view(f, 8, mx::float64, {4});
+    CHECK(v.data<char>() == f.data + 8);
+    f = Frame{};
+    CHECK_EQ(freed, 0);  // the view keeps the buffer
+  }
+  CHECK_EQ(freed, 1);
 }
