@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.nn.utils import average_gradients
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import step
 from .callbacks import PagerCallback
@@ -35,7 +36,8 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     args, model = s.args, s.model
     model.eval()
     batches = []
-    it = iterate_batches(dataset=dataset, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
+    it = iterate_batches(dataset=dataset, batch_size=args.batch_size, max_seq_length=args.max_seq_length,
+                         comm_group=mx.distributed.init())
     for i, b in enumerate(it):
         if num_batches != -1 and i >= num_batches:
             break
@@ -59,13 +61,19 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
             mx.eval(all_losses, ntokens)
             if advance is not None:
                 advance()
+    # Every rank evaluated its share of each batch (as mlx-lm's evaluate()).
+    all_losses = mx.distributed.all_sum(all_losses, stream=mx.cpu)
+    ntokens = mx.distributed.all_sum(ntokens, stream=mx.cpu)
     s.use_step_schedule()
     model.train()
     return (all_losses / ntokens).item()
 
 
 def save_adapters(model, adapter_file: Path, iteration: Optional[int], cb: PagerCallback):
-    """Writes the adapters (and, for a checkpoint, NNNNNNN_adapters.safetensors)."""
+    """Writes the adapters (and, for a checkpoint, NNNNNNN_adapters.safetensors);
+    with several ranks, rank 0 writes them (the ranks' adapters are equal)."""
+    if mx.distributed.init().rank() != 0:
+        return
     weights = dict(tree_flatten(model.trainable_parameters()))
     mx.save_safetensors(str(adapter_file), weights)
     path = adapter_file
@@ -100,11 +108,15 @@ class _Reports:
         self.time += seconds
 
     def take(self, it: int, args, optimizer, s: Session, pager_since: dict) -> dict:
+        # Over all ranks, as mlx-lm sums them (this rank's pager figures).
+        world = mx.distributed.init().size()
+        losses = mx.distributed.all_sum(mx.array(self.losses), stream=mx.cpu).item()
+        self.tokens = int(mx.distributed.all_sum(mx.array(self.tokens), stream=mx.cpu).item())
         self.trained_tokens += self.tokens
         now = s.weights.pager.stats()
         info = {
             "iteration": it,
-            "train_loss": mx.array(self.losses).item() / self.steps,
+            "train_loss": losses / (self.steps * world),
             "learning_rate": _learning_rate(optimizer),
             "iterations_per_second": args.steps_per_report / self.time,
             "tokens_per_second": self.tokens / self.time,
@@ -126,8 +138,9 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
     args, model, weights, gov = s.args, s.model, s.weights, s.gov
     k = args.grad_accumulation_steps
     model.train()
+    # With several ranks (mlx.launch), each takes its share of every batch.
     batches = iterate_batches(dataset=train_set, batch_size=args.batch_size,
-                              max_seq_length=args.max_seq_length, loop=True)
+                              max_seq_length=args.max_seq_length, loop=True, comm_group=mx.distributed.init())
     reports = _Reports()
     pager = weights.pager
     since_report = pager.stats()
@@ -137,9 +150,9 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
         gov.check()
         cb.on_block(weights, phase, i)
 
-    def validate(at: List[int]):
-        if val_set is None or not at:
-            return
+    def validate(j: int):
+        """mlx-lm's validation before iteration j (weights within a group do
+        not change before its update, so these are the weights it sees)."""
         total = len(val_set) // args.batch_size
         if args.val_batches != -1:
             total = min(total, args.val_batches)
@@ -147,19 +160,22 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
         with cb.val_progress(total) as advance:
             val_loss = evaluate(s, val_set, args.val_batches, cb, advance)
         val_time = time.perf_counter() - tic
-        # Within a group the weights do not change before its update, so
-        # one pass serves every validation point of the group.
-        for j in at:
-            result.val_losses.append(val_loss)
-            cb.on_val_loss_report({"iteration": j - 1, "val_loss": val_loss, "val_time": val_time})
+        result.val_losses.append(val_loss)
+        cb.on_val_loss_report({"iteration": j - 1, "val_loss": val_loss, "val_time": val_time})
 
     cb.progress_start(args.iters)
     it = 0
     while it < args.iters:
-        group = [next(batches) for _ in range(min(k, args.iters - it))]
-        its = list(range(it + 1, it + len(group) + 1))
+        its = list(range(it + 1, min(it + k, args.iters) + 1))
         it = its[-1]
-        validate([j for j in its if j == 1 or j % args.steps_per_eval == 0 or j == args.iters])
+        group = []
+        for j in its:
+            # Batch j is drawn, then validation runs, in mlx-lm's order: both
+            # draw from NumPy's global generator (batch order, validation
+            # batches), so the order of the draws decides every later batch.
+            group.append(next(batches))
+            if val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == args.iters):
+                validate(j)
 
         before = pager.stats()
         mx.reset_peak_memory()
@@ -176,9 +192,12 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
         for j in early:
             save_adapters(model, adapter_file, j, cb)
         if update:
+            # Once per optimizer step, as mlx-lm: averaged over the ranks
+            # (a no-op for one), then over the micro-batches.
+            tree = average_gradients(tree_unflatten([(n, grads[n]) for n in names]))
             if k > 1:
-                grads = {n: g / k for n, g in grads.items()}
-            optimizer.update(model, tree_unflatten([(n, grads[n]) for n in names]))
+                tree = tree_map(lambda g: g / k, tree)
+            optimizer.update(model, tree)
             mx.eval(model.trainable_parameters(), optimizer.state)
         _clear_cache(args.clear_cache_threshold)
         elapsed = time.perf_counter() - tic

@@ -20,7 +20,7 @@ from mlx_pager.plot import load_runs
 from mlx_pager.trainer import DEFAULTS
 from mlx_pager.trainer import run as paged_run
 
-from conftest import SAMPLE
+from conftest import SAMPLE, write_jsonl
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # mlx-lm 0.32's table rows: "  ITER    LOSS ▼ ..." and "  ITER    val LOSS    TIMEs"
@@ -68,12 +68,17 @@ class Recorder(PagerCallback):
 
 
 def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulation(models, tmp_path):
-    """k = 2 micro-batches per optimizer step, iterations 1..7 (a partial last
-    group), reports and validation every 3 iterations, checkpoints every 3:
-    the same iterations, the same values (bit for bit) and the same
-    checkpoint files as mlx_lm.lora."""
-    flags = dict(train=True, data=str(SAMPLE), batch_size=2, num_layers=2, learning_rate=1e-3, iters=7,
-                 grad_accumulation_steps=2, steps_per_report=3, steps_per_eval=3, save_every=3, val_batches=2,
+    """k = 3 micro-batches per optimizer step, iterations 1..7 (a partial last
+    group), two validations inside one group, checkpoints inside groups, and
+    an epoch boundary inside a group (4 batches an epoch): the same
+    iterations, the same values and the same checkpoint files as
+    mlx_lm.lora, bit for bit."""
+    data = tmp_path / "data"
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    write_jsonl(data / "train.jsonl", recs[:8])
+    write_jsonl(data / "valid.jsonl", recs[8:16])
+    flags = dict(train=True, data=str(data), batch_size=2, num_layers=2, learning_rate=1e-3, iters=7,
+                 grad_accumulation_steps=3, steps_per_report=3, steps_per_eval=2, save_every=2, val_batches=2,
                  seed=0)
     model = str(models("llama", None))
     ref, got = Recorder(), Recorder()
@@ -82,13 +87,14 @@ def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulati
     b = dict(DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "paged"), memory_budget="2GB",
              ssd_cache_dir=str(tmp_path / "c"), quiet=True)
     paged_run(types.SimpleNamespace(**copy.deepcopy(b)), got)
+    assert [i for i, *_ in got.train] == [i for i, *_ in ref.train] == [3, 6, 7]
     assert got.train == ref.train
-    assert [i for i, _ in got.val] == [i for i, _ in ref.val] == [0, 2, 5, 6]
+    assert [i for i, _ in got.val] == [i for i, _ in ref.val] == [0, 1, 3, 5, 6]
     for (_, x), (_, y) in zip(got.val, ref.val):
         assert x == pytest.approx(y, rel=1e-6)
     names = sorted(p.name for p in (tmp_path / "ref").glob("*.safetensors"))
     assert names == sorted(p.name for p in (tmp_path / "paged").glob("*.safetensors"))
-    assert "0000003_adapters.safetensors" in names  # inside a group: weights before its update
+    assert "0000002_adapters.safetensors" in names  # inside a group: weights before its update
     for n in names:
         r, g = mx.load(str(tmp_path / "ref" / n)), mx.load(str(tmp_path / "paged" / n))
         assert all(mx.array_equal(r[k], g[k]).item() for k in r), n
