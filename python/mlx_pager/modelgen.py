@@ -50,6 +50,13 @@ _ARCH_DEFAULTS: Dict[str, dict] = {
         "tie_word_embeddings": True,
         "max_position_embeddings": 4096,
     },
+    # Qwen2/2.5: blocks reached through PipelineMixin.pipeline_layers.
+    "qwen2": {
+        "model_type": "qwen2",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
 }
 
 

@@ -206,9 +206,12 @@ def build_optimizer(args):
 
 def _callbacks(args, training_callback) -> Callbacks:
     """The run's callbacks: the console (unless quiet), --report FILE,
-    --report-to's loggers (mlx-lm's own callbacks) and the caller's."""
+    --report-to's loggers (mlx-lm's own callbacks) and the caller's. With
+    several ranks (mlx.launch) only rank 0 reports."""
     from mlx_lm.tuner.callbacks import get_reporting_callbacks
 
+    if mx.distributed.init().rank() != 0:
+        return Callbacks([training_callback])
     config = {k: v for k, v in vars(args).items() if k != "quiet"}
     loggers = get_reporting_callbacks(args.report_to, project_name=args.project_name,
                                       log_dir=args.adapter_path, config=config)
@@ -225,7 +228,8 @@ def _callbacks(args, training_callback) -> Callbacks:
             ("optimizer", f"{args.optimizer} · lr {f'{lr:.1e}' if lr is not None else 'schedule'}"),
             ("batch · iters", f"{args.batch_size} · {args.iters:,}"),
             ("max seq", f"{args.max_seq_length:,}"),
-            ("memory budget", str(args.memory_budget or "80% of RAM")),
+            ("memory budget", str(args.memory_budget or "80% of RAM")
+             + (f" per rank · {world} ranks" if (world := mx.distributed.init().size()) > 1 else "")),
         ]
         cbs.append(ConsoleReport("mlx-pager lora", rows))
     if args.report:
@@ -241,10 +245,15 @@ def run(args, training_callback: Optional[PagerCallback] = None) -> TrainResult:
     the memory budget, saves adapters; returns what happened."""
     from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 
+    args = types.SimpleNamespace(**vars(args))  # the caller's stays as given
     check_args(args)
     blas.warn_once()
     return_freed_memory_to_os()  # before the first large allocation
     np.random.seed(args.seed)
+    world = mx.distributed.init()  # one rank unless started by mlx.launch
+    if world.size() > 1 and args.ssd_cache_dir is not None:
+        # Each rank pages from its own cache under its own budget.
+        args.ssd_cache_dir = str(Path(args.ssd_cache_dir) / f"rank{world.rank()}")
     cb = _callbacks(args, training_callback)
     result = TrainResult()
     try:
@@ -336,7 +345,8 @@ def train_model(args, s, train_set, valid_set, cb: PagerCallback, result: TrainR
     adapter_path.mkdir(parents=True, exist_ok=True)
     adapter_file = adapter_path / "adapters.safetensors"
     config = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
-    save_config(config, adapter_path / "adapter_config.json")
+    if mx.distributed.init().rank() == 0:
+        save_config(config, adapter_path / "adapter_config.json")
     optimizer = build_optimizer(args)
     try:
         loop.train(s, optimizer, train_set, valid_set, adapter_file, cb, result)
