@@ -29,9 +29,7 @@ std::uint64_t MlxFrameAllocator::footprint(std::uint64_t bytes) const {
   return bytes + kIoAlign;
 }
 
-Frame MlxFrameAllocator::allocate(
-    std::uint64_t bytes,
-    std::function<void()> on_free) {
+Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_free) {
   std::uint64_t request = footprint(bytes);
   if (request > static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max())) {
     // MLX shapes are int32: a single frame must stay under 2 GiB.
@@ -63,8 +61,7 @@ Frame MlxFrameAllocator::allocate(
               on_free();
             }
           }),
-      mx::Shape{static_cast<int32_t>(request)},
-      mx::uint8);
+      mx::Shape{static_cast<int32_t>(request)}, mx::uint8);
   Frame f;
   f.data = raw + offset;
   f.size = bytes;
@@ -75,10 +72,7 @@ Frame MlxFrameAllocator::allocate(
 }
 
 mx::array MlxFrameAllocator::view(
-    const Frame& frame,
-    std::uint64_t frame_offset,
-    mx::Dtype dtype,
-    const mx::Shape& shape) {
+    const Frame& frame, std::uint64_t frame_offset, mx::Dtype dtype, const mx::Shape& shape) {
   const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());
   std::uint64_t item = mx::size_of(dtype);
   // copy_shared_buffer's offset counts elements of the new dtype, from the
@@ -95,9 +89,9 @@ mx::array MlxFrameAllocator::view(
   // Written so that nothing overflows: frame.size < 2 GiB (allocate).
   if (nbytes > frame.size || frame_offset > frame.size - nbytes) {
     throw std::logic_error(
-        "[MlxFrameAllocator::view] tensor of " + std::to_string(nbytes) +
-        " bytes at offset " + std::to_string(frame_offset) +
-        " runs past its frame of " + std::to_string(frame.size) + " bytes");
+        "[MlxFrameAllocator::view] tensor of " + std::to_string(nbytes) + " bytes at offset " +
+        std::to_string(frame_offset) + " runs past its frame of " + std::to_string(frame.size) +
+        " bytes");
   }
   mx::Strides strides(shape.size());
   int64_t stride = 1;
@@ -114,8 +108,7 @@ mx::array MlxFrameAllocator::view(
   }
   flags.col_contiguous = nontrivial <= 1;
   out.copy_shared_buffer(
-      owner.base, strides, flags, out.size(),
-      static_cast<std::int64_t>(byte_offset / item));
+      owner.base, strides, flags, out.size(), static_cast<std::int64_t>(byte_offset / item));
   out.set_status(mx::array::Status::available);
   return out;
 }

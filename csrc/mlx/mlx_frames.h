@@ -26,10 +26,7 @@ class MlxFrameAllocator : public FrameAllocator {
   // `frame_offset` (which must be a multiple of the dtype's size). The view
   // keeps the frame's memory alive.
   static mx::array view(
-      const Frame& frame,
-      std::uint64_t frame_offset,
-      mx::Dtype dtype,
-      const mx::Shape& shape);
+      const Frame& frame, std::uint64_t frame_offset, mx::Dtype dtype, const mx::Shape& shape);
 };
 
 }  // namespace mlx_pager

@@ -17,8 +17,7 @@ static std::uint64_t spec_nbytes(const TensorSpec& t) {
   std::uint64_t n = mx::size_of(t.dtype);
   for (auto d : t.shape) {
     if (d < 0) {
-      throw std::invalid_argument(
-          "[TensorPager] tensor '" + t.name + "' has a negative dimension");
+      throw std::invalid_argument("[TensorPager] tensor '" + t.name + "' has a negative dimension");
     }
     n *= static_cast<std::uint64_t>(d);
   }
@@ -39,9 +38,7 @@ PageId TensorPager::add(PageSpec spec, std::vector<Placed> tensors) {
 }
 
 PageId TensorPager::add_page_in_place(
-    const std::string& name,
-    const std::vector<FileTensor>& tensors,
-    int priority) {
+    const std::string& name, const std::vector<FileTensor>& tensors, int priority) {
   std::vector<TensorSource> sources;
   std::vector<std::uint64_t> file_sizes;
   for (const FileTensor& t : tensors) {
@@ -49,8 +46,8 @@ PageId TensorPager::add_page_in_place(
     if (want != t.nbytes) {
       throw std::invalid_argument(
           "[TensorPager] page '" + name + "': tensor '" + t.spec.name + "' is " +
-          std::to_string(t.nbytes) + " bytes in " + t.path +
-          " but its dtype and shape need " + std::to_string(want));
+          std::to_string(t.nbytes) + " bytes in " + t.path + " but its dtype and shape need " +
+          std::to_string(want));
     }
     FileId f = pager_.add_file(t.path);
     if (f >= file_sizes.size()) {
@@ -60,8 +57,7 @@ PageId TensorPager::add_page_in_place(
       file_sizes[f] = std::filesystem::file_size(t.path);  // once per file
     }
     sources.push_back(TensorSource{
-        t.spec.name, f, t.offset, t.nbytes,
-        static_cast<std::uint32_t>(mx::size_of(t.spec.dtype))});
+        t.spec.name, f, t.offset, t.nbytes, static_cast<std::uint32_t>(mx::size_of(t.spec.dtype))});
   }
   // Read through gaps (other pages' bytes) only when they are small next to
   // the page itself: at most 1/kGapFraction of it, and at most
@@ -71,21 +67,18 @@ PageId TensorPager::add_page_in_place(
   for (const TensorSource& t : sources) {
     page_bytes += t.nbytes;
   }
-  std::uint64_t max_gap =
-      std::min<std::uint64_t>(kMaxReadThroughGap, page_bytes / kGapFraction);
+  std::uint64_t max_gap = std::min<std::uint64_t>(kMaxReadThroughGap, page_bytes / kGapFraction);
   PagePlan plan = plan_in_place(sources, file_sizes, max_gap);
   if (!plan.ok) {
     throw std::invalid_argument(
-        "[TensorPager] page '" + name + "' cannot be read in place: " +
-        plan.why_not);
+        "[TensorPager] page '" + name + "' cannot be read in place: " + plan.why_not);
   }
   std::vector<Placed> placed;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     placed.push_back(Placed{tensors[i].spec, plan.tensors[i].frame_offset});
   }
   return add(
-      PageSpec{name, plan.frame_bytes, plan.extents, priority, plan.moves},
-      std::move(placed));
+      PageSpec{name, plan.frame_bytes, plan.extents, priority, plan.moves}, std::move(placed));
 }
 
 PageId TensorPager::add_page_from_swap(
@@ -106,8 +99,8 @@ PageId TensorPager::add_page_from_swap(
   if (page_offset + plan.frame_bytes > file_size) {
     throw std::invalid_argument(
         "[TensorPager] page '" + name + "' ends at byte " +
-        std::to_string(page_offset + plan.frame_bytes) + " of " + swap_path +
-        " but the file has " + std::to_string(file_size) +
+        std::to_string(page_offset + plan.frame_bytes) + " of " + swap_path + " but the file has " +
+        std::to_string(file_size) +
         " bytes: the swap file is stale or truncated (delete it to rebuild)");
   }
   std::vector<Placed> placed;
@@ -129,8 +122,7 @@ NamedArrays TensorPager::acquire(PageId id) {
   try {
     for (const Placed& p : *layout) {
       out.emplace_back(
-          p.spec.name,
-          MlxFrameAllocator::view(frame, p.frame_offset, p.spec.dtype, p.spec.shape));
+          p.spec.name, MlxFrameAllocator::view(frame, p.frame_offset, p.spec.dtype, p.spec.shape));
     }
   } catch (...) {
     pager_.release(id);
@@ -164,20 +156,34 @@ std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& 
 
 static mx::Dtype to_mlx(ScalarType t) {
   switch (t) {  // exhaustive: a new ScalarType fails to compile (-Wswitch)
-    case ScalarType::bool_: return mx::bool_;
-    case ScalarType::uint8: return mx::uint8;
-    case ScalarType::int8: return mx::int8;
-    case ScalarType::uint16: return mx::uint16;
-    case ScalarType::int16: return mx::int16;
-    case ScalarType::uint32: return mx::uint32;
-    case ScalarType::int32: return mx::int32;
-    case ScalarType::uint64: return mx::uint64;
-    case ScalarType::int64: return mx::int64;
-    case ScalarType::float16: return mx::float16;
-    case ScalarType::bfloat16: return mx::bfloat16;
-    case ScalarType::float32: return mx::float32;
-    case ScalarType::float64: return mx::float64;
-    case ScalarType::complex64: return mx::complex64;
+    case ScalarType::bool_:
+      return mx::bool_;
+    case ScalarType::uint8:
+      return mx::uint8;
+    case ScalarType::int8:
+      return mx::int8;
+    case ScalarType::uint16:
+      return mx::uint16;
+    case ScalarType::int16:
+      return mx::int16;
+    case ScalarType::uint32:
+      return mx::uint32;
+    case ScalarType::int32:
+      return mx::int32;
+    case ScalarType::uint64:
+      return mx::uint64;
+    case ScalarType::int64:
+      return mx::int64;
+    case ScalarType::float16:
+      return mx::float16;
+    case ScalarType::bfloat16:
+      return mx::bfloat16;
+    case ScalarType::float32:
+      return mx::float32;
+    case ScalarType::float64:
+      return mx::float64;
+    case ScalarType::complex64:
+      return mx::complex64;
   }
   throw std::logic_error("[dtype_from_safetensors] unhandled scalar type");
 }
@@ -185,13 +191,11 @@ static mx::Dtype to_mlx(ScalarType t) {
 mx::Dtype dtype_from_safetensors(const std::string& d) {
   const SafetensorsDtype* row = find_safetensors_dtype(d);
   if (row == nullptr) {
-    throw std::invalid_argument(
-        "[dtype_from_safetensors] unknown safetensors dtype '" + d + "'");
+    throw std::invalid_argument("[dtype_from_safetensors] unknown safetensors dtype '" + d + "'");
   }
   mx::Dtype dtype = to_mlx(row->type);
   if (mx::size_of(dtype) != row->itemsize) {
-    throw std::logic_error(
-        "[dtype_from_safetensors] item size of '" + d + "' disagrees with MLX");
+    throw std::logic_error("[dtype_from_safetensors] item size of '" + d + "' disagrees with MLX");
   }
   return dtype;
 }

@@ -46,9 +46,7 @@ class TensorPager {
   // (naming the page and tensor) if a tensor cannot be viewed in place; such
   // a page goes to the swap file instead.
   PageId add_page_in_place(
-      const std::string& name,
-      const std::vector<FileTensor>& tensors,
-      int priority = 0);
+      const std::string& name, const std::vector<FileTensor>& tensors, int priority = 0);
   // A page written by write_swap_page() at `page_offset` of `swap_path`.
   PageId add_page_from_swap(
       const std::string& name,

@@ -65,8 +65,8 @@ const char* to_string(IoMode mode) {
 }
 
 // Opens `path` in the best cache-free mode the platform and file system allow.
-static std::pair<int, IoMode>
-open_mode(const std::string& path, int flags, mode_t perm, bool want_direct) {
+static std::pair<int, IoMode> open_mode(
+    const std::string& path, int flags, mode_t perm, bool want_direct) {
   if (want_direct) {
     int fd = open_direct(path, flags, perm);
     if (fd >= 0) {
@@ -98,26 +98,23 @@ DirectFile DirectFile::open_read(const std::string& path, bool want_direct) {
 }
 
 DirectFile DirectFile::create_write(
-    const std::string& path,
-    std::uint64_t reserve_bytes,
-    bool want_direct) {
-  auto [fd, mode] =
-      open_mode(path, O_RDWR | O_CREAT | O_TRUNC, 0644, want_direct);
+    const std::string& path, std::uint64_t reserve_bytes, bool want_direct) {
+  auto [fd, mode] = open_mode(path, O_RDWR | O_CREAT | O_TRUNC, 0644, want_direct);
   DirectFile f(fd, mode, path);
   if (reserve_bytes > 0) {
 #if defined(__APPLE__)
-    fstore_t store = {
-        F_ALLOCATEALL, F_PEOFPOSMODE, 0, static_cast<off_t>(reserve_bytes), 0};
+    fstore_t store = {F_ALLOCATEALL, F_PEOFPOSMODE, 0, static_cast<off_t>(reserve_bytes), 0};
     if (fcntl(fd, F_PREALLOCATE, &store) != 0 ||
         ftruncate(fd, static_cast<off_t>(reserve_bytes)) != 0) {
-      throw_errno(errno, "reserving " + std::to_string(reserve_bytes) +
-                             " bytes for " + path);
+      throw_errno(errno, "reserving " + std::to_string(reserve_bytes) + " bytes for " + path);
     }
 #else
     int err = posix_fallocate(fd, 0, static_cast<off_t>(reserve_bytes));
     if (err != 0) {
-      throw_errno(err, "reserving " + std::to_string(reserve_bytes) +
-                           " bytes for " + path + " (posix_fallocate)");
+      throw_errno(
+          err,
+          "reserving " + std::to_string(reserve_bytes) + " bytes for " + path +
+              " (posix_fallocate)");
     }
 #endif
   }
@@ -125,9 +122,7 @@ DirectFile DirectFile::create_write(
 }
 
 DirectFile::DirectFile(DirectFile&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)),
-      mode_(other.mode_),
-      path_(std::move(other.path_)) {}
+    : fd_(std::exchange(other.fd_, -1)), mode_(other.mode_), path_(std::move(other.path_)) {}
 
 DirectFile& DirectFile::operator=(DirectFile&& other) noexcept {
   if (this != &other) {
@@ -155,8 +150,7 @@ std::uint64_t DirectFile::size() const {
   return static_cast<std::uint64_t>(st.st_size);
 }
 
-std::size_t
-DirectFile::pread_full(void* dst, std::size_t n, std::uint64_t offset) const {
+std::size_t DirectFile::pread_full(void* dst, std::size_t n, std::uint64_t offset) const {
   std::size_t done = 0;
   char* p = static_cast<char*>(dst);
   while (done < n) {
@@ -165,10 +159,10 @@ DirectFile::pread_full(void* dst, std::size_t n, std::uint64_t offset) const {
       if (errno == EINTR) {
         continue;
       }
-      throw_errno(errno, "pread(" + path_ + ", offset " +
-                             std::to_string(offset + done) + ", " +
-                             std::to_string(n - done) + " bytes, " +
-                             to_string(mode_) + ")");
+      throw_errno(
+          errno,
+          "pread(" + path_ + ", offset " + std::to_string(offset + done) + ", " +
+              std::to_string(n - done) + " bytes, " + to_string(mode_) + ")");
     }
     if (r == 0) {
       break;  // end of file
@@ -186,21 +180,16 @@ DirectFile::pread_full(void* dst, std::size_t n, std::uint64_t offset) const {
   return done;
 }
 
-void DirectFile::pwrite_full(
-    const void* src,
-    std::size_t n,
-    std::uint64_t offset) const {
+void DirectFile::pwrite_full(const void* src, std::size_t n, std::uint64_t offset) const {
   std::size_t done = 0;
   const char* p = static_cast<const char*>(src);
   while (done < n) {
-    ssize_t r =
-        ::pwrite(fd_, p + done, n - done, static_cast<off_t>(offset + done));
+    ssize_t r = ::pwrite(fd_, p + done, n - done, static_cast<off_t>(offset + done));
     if (r < 0) {
       if (errno == EINTR) {
         continue;
       }
-      throw_errno(errno, "pwrite(" + path_ + ", offset " +
-                             std::to_string(offset + done) + ")");
+      throw_errno(errno, "pwrite(" + path_ + ", offset " + std::to_string(offset + done) + ")");
     }
     if (r == 0) {
       throw_errno(EIO, "pwrite(" + path_ + ") wrote nothing");
@@ -217,8 +206,7 @@ void DirectFile::drop_cache(std::uint64_t offset, std::uint64_t n) const {
   if (mode_ == IoMode::buffered_drop && n > 0) {
     // Dirty pages are not dropped by DONTNEED; the writer syncs first.
     (void)posix_fadvise(
-        fd_, static_cast<off_t>(offset), static_cast<off_t>(n),
-        POSIX_FADV_DONTNEED);
+        fd_, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_DONTNEED);
   }
 #else
   (void)offset;
@@ -256,13 +244,11 @@ void aligned_free_io(void* p) {
 }
 
 AlignedBuffer::AlignedBuffer(std::size_t bytes)
-    : data_(static_cast<char*>(
-          aligned_alloc_io(align_up(bytes == 0 ? 1 : bytes, kIoAlign)))),
+    : data_(static_cast<char*>(aligned_alloc_io(align_up(bytes == 0 ? 1 : bytes, kIoAlign)))),
       size_(align_up(bytes == 0 ? 1 : bytes, kIoAlign)) {}
 
 AlignedBuffer::AlignedBuffer(AlignedBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+    : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
 
 AlignedBuffer& AlignedBuffer::operator=(AlignedBuffer&& other) noexcept {
   if (this != &other) {

@@ -49,9 +49,7 @@ class DirectFile {
   // with posix_fallocate, so that a full disk is an error here (ENOSPC), not
   // a SIGBUS or a short write later.
   static DirectFile create_write(
-      const std::string& path,
-      std::uint64_t reserve_bytes,
-      bool want_direct = true);
+      const std::string& path, std::uint64_t reserve_bytes, bool want_direct = true);
 
   DirectFile(DirectFile&& other) noexcept;
   DirectFile& operator=(DirectFile&& other) noexcept;

@@ -79,8 +79,7 @@ void Pager::release(PageId id) {
     std::lock_guard<std::mutex> lock(mu_);
     PageEntry& e = table_.at(id);
     if (e.refs <= 0) {
-      throw std::logic_error(
-          "[Pager::release] page '" + e.spec.name + "' is not acquired");
+      throw std::logic_error("[Pager::release] page '" + e.spec.name + "' is not acquired");
     }
     --e.refs;
   }
@@ -117,8 +116,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   std::exception_ptr alloc_error;
   try {
     auto acct = accounting_;
-    frame = allocator_->allocate(
-        e.spec.frame_bytes, [acct, charge] { acct->sub(charge->load()); });
+    frame = allocator_->allocate(e.spec.frame_bytes, [acct, charge] { acct->sub(charge->load()); });
   } catch (...) {
     alloc_error = std::current_exception();
   }
@@ -137,8 +135,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   MLX_PAGER_ASSERT(frame.data != nullptr && frame.size >= e.spec.frame_bytes);
   MLX_PAGER_ASSERT(reinterpret_cast<std::uintptr_t>(frame.data) % kIoAlign == 0);
   e.frame = frame;
-  if (frame.footprint > need &&
-      charged_now() + (frame.footprint - need) > budget_) {
+  if (frame.footprint > need && charged_now() + (frame.footprint - need) > budget_) {
     // The allocator handed out more than reserved (a larger cached buffer):
     // a fault makes room for the rest, readahead gives up this read.
     std::exception_ptr room_error;
@@ -181,9 +178,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   // the submit happens with the lock released.
   lock.unlock();
   io_.submit(
-      std::move(ops),
-      [this, id, gen](IoBatch& b) { complete_read(id, gen, b); },
-      urgent);
+      std::move(ops), [this, id, gen](IoBatch& b) { complete_read(id, gen, b); }, urgent);
   lock.lock();
 }
 
@@ -235,8 +230,7 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
         files += (files.empty() ? "" : ", ") + p;
       }
     }
-    e.error = "[Pager::acquire] cannot read page '" + e.spec.name + "' from " +
-        files + ": " + what;
+    e.error = "[Pager::acquire] cannot read page '" + e.spec.name + "' from " + files + ": " + what;
     e.failed_gen = gen;
     ++stat_.read_errors;
     // Free the frame while the page still reads as in flight, so that the

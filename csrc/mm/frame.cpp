@@ -9,9 +9,7 @@ std::uint64_t HeapFrameAllocator::footprint(std::uint64_t bytes) const {
   return align_up(bytes == 0 ? 1 : bytes, kIoAlign);
 }
 
-Frame HeapFrameAllocator::allocate(
-    std::uint64_t bytes,
-    std::function<void()> on_free) {
+Frame HeapFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_free) {
   std::size_t n = footprint(bytes);
   char* p = static_cast<char*>(aligned_alloc_io(n));
   Frame f;

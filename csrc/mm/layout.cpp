@@ -3,8 +3,8 @@
 
 #include <algorithm>
 #include <numeric>
-#include <tuple>
 #include <stdexcept>
+#include <tuple>
 
 #include "mm/direct_io.h"
 

@@ -37,9 +37,7 @@ PageIO::PageIO(int threads, std::size_t chunk_bytes)
 PageIO::~PageIO() {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    idle_cv_.wait(lock, [&] {
-      return urgent_.empty() && background_.empty() && running_ == 0;
-    });
+    idle_cv_.wait(lock, [&] { return urgent_.empty() && background_.empty() && running_ == 0; });
     stop_ = true;
   }
   cv_.notify_all();
@@ -54,9 +52,7 @@ void PageIO::set_fault_injector(FaultInjector f) {
 }
 
 std::shared_ptr<IoBatch> PageIO::submit(
-    std::vector<ReadOp> ops,
-    std::function<void(IoBatch&)> on_complete,
-    bool urgent) {
+    std::vector<ReadOp> ops, std::function<void(IoBatch&)> on_complete, bool urgent) {
   auto batch = std::make_shared<IoBatch>();
   batch->on_complete_ = std::move(on_complete);
   std::vector<Chunk> chunks;
@@ -66,9 +62,7 @@ std::shared_ptr<IoBatch> PageIO::submit(
       piece.offset = op.offset + off;
       piece.dst = op.dst + off;
       piece.length = std::min(chunk_bytes_, op.length - off);
-      piece.required = op.required > off
-          ? std::min(piece.length, op.required - off)
-          : 0;
+      piece.required = op.required > off ? std::min(piece.length, op.required - off) : 0;
       chunks.push_back(Chunk{batch, piece});
     }
   }
@@ -99,9 +93,8 @@ std::uint64_t PageIO::read_now(const ReadOp& op) {
     throw std::system_error(
         EIO, std::generic_category(),
         "[PageIO::read_now] short read of " + op.file->path() + " at offset " +
-            std::to_string(op.offset) + ": needed " +
-            std::to_string(op.required) + " bytes, the file has " +
-            std::to_string(got));
+            std::to_string(op.offset) + ": needed " + std::to_string(op.required) +
+            " bytes, the file has " + std::to_string(got));
   }
   return got;
 }
@@ -112,9 +105,7 @@ void PageIO::worker() {
     FaultInjector injector;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] {
-        return stop_ || !urgent_.empty() || !background_.empty();
-      });
+      cv_.wait(lock, [&] { return stop_ || !urgent_.empty() || !background_.empty(); });
       if (stop_ && urgent_.empty() && background_.empty()) {
         return;
       }
@@ -133,8 +124,8 @@ void PageIO::worker() {
         if (!c.batch->error_) {
           c.batch->error_ = std::make_exception_ptr(std::system_error(
               err, std::generic_category(),
-              "[PageIO] pread(" + c.op.file->path() + ", offset " +
-                  std::to_string(c.op.offset) + ") [injected]"));
+              "[PageIO] pread(" + c.op.file->path() + ", offset " + std::to_string(c.op.offset) +
+                  ") [injected]"));
         }
       } else {
         c.op.length = len;  // an injected short read

@@ -46,8 +46,8 @@ struct ReadOp {
 
 // Test hook called before every chunk read: it may sleep (to widen races),
 // set `err` to an errno to fail the chunk, or lower `len` to cut it short.
-using FaultInjector = std::function<
-    void(const std::string& path, std::uint64_t offset, std::size_t& len, int& err)>;
+using FaultInjector =
+    std::function<void(const std::string& path, std::uint64_t offset, std::size_t& len, int& err)>;
 
 class IoBatch {
  public:
@@ -83,9 +83,7 @@ class PageIO {
   // with the batch's error (if any) already recorded. `urgent` batches go
   // ahead of non-urgent ones. Never blocks on I/O.
   std::shared_ptr<IoBatch> submit(
-      std::vector<ReadOp> ops,
-      std::function<void(IoBatch&)> on_complete = {},
-      bool urgent = true);
+      std::vector<ReadOp> ops, std::function<void(IoBatch&)> on_complete = {}, bool urgent = true);
 
   // Reads synchronously on the calling thread (no queueing); throws on error.
   static std::uint64_t read_now(const ReadOp& op);

@@ -40,15 +40,14 @@ PageId PageTable::add_page(PageSpec spec) {
   for (const Extent& e : spec.extents) {
     if (e.file >= files_.size()) {
       throw std::invalid_argument(
-          "[PageTable::add_page] page '" + spec.name +
-          "' reads from unregistered file id " + std::to_string(e.file));
+          "[PageTable::add_page] page '" + spec.name + "' reads from unregistered file id " +
+          std::to_string(e.file));
     }
     if (e.frame_offset + e.length > spec.frame_bytes) {
       throw std::invalid_argument(
-          "[PageTable::add_page] page '" + spec.name +
-          "': an extent ends past the frame (" +
-          std::to_string(e.frame_offset + e.length) + " > " +
-          std::to_string(spec.frame_bytes) + " bytes)");
+          "[PageTable::add_page] page '" + spec.name + "': an extent ends past the frame (" +
+          std::to_string(e.frame_offset + e.length) + " > " + std::to_string(spec.frame_bytes) +
+          " bytes)");
     }
     if (e.required > e.length) {
       throw std::invalid_argument(
@@ -56,11 +55,9 @@ PageId PageTable::add_page(PageSpec spec) {
           "': an extent requires more bytes than it reads");
     }
     if (files_[e.file]->needs_alignment() &&
-        (e.file_offset % kIoAlign || e.length % kIoAlign ||
-         e.frame_offset % kIoAlign)) {
+        (e.file_offset % kIoAlign || e.length % kIoAlign || e.frame_offset % kIoAlign)) {
       throw std::invalid_argument(
-          "[PageTable::add_page] page '" + spec.name + "': extent in " +
-          files_[e.file]->path() +
+          "[PageTable::add_page] page '" + spec.name + "': extent in " + files_[e.file]->path() +
           " is not aligned for direct I/O (plan pages with layout.h)");
     }
   }

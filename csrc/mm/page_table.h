@@ -63,16 +63,16 @@ struct PageSpec {
 struct PageEntry {
   PageSpec spec;
   PageState state = PageState::on_disk;
-  Frame frame;                 // set while in_flight or resident
-  std::uint64_t charged = 0;   // bytes this page holds against the budget
-  int refs = 0;                // acquire() calls not yet released
+  Frame frame;                // set while in_flight or resident
+  std::uint64_t charged = 0;  // bytes this page holds against the budget
+  int refs = 0;               // acquire() calls not yet released
   bool pinned = false;
   bool mlocked = false;
-  bool prefetched = false;     // read by readahead and not yet acquired
+  bool prefetched = false;  // read by readahead and not yet acquired
   std::uint64_t last_access = 0;
   std::uint64_t read_gen = 0;  // counts reads started, to match completions
   std::uint64_t failed_gen = 0;
-  std::string error;           // message of the last failed read
+  std::string error;  // message of the last failed read
 };
 
 class PageTable {

@@ -21,17 +21,14 @@ void Pager::Accounting::sub(std::uint64_t n) {
   cv.notify_all();
 }
 
-void Pager::Accounting::wait_for_free(
-    std::uint64_t seen,
-    std::chrono::milliseconds timeout) {
+void Pager::Accounting::wait_for_free(std::uint64_t seen, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu);
   cv.wait_for(lock, timeout, [&] { return charged.load() < seen; });
 }
 
 std::uint64_t Pager::elapsed_ns(std::chrono::steady_clock::time_point t0) {
   return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::steady_clock::now() - t0)
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
           .count());
 }
 
@@ -193,8 +190,7 @@ std::uint64_t Pager::pinned_bytes_locked(const Lock& lock) const {
 
 void Pager::note_peak_locked(const Lock& lock) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
-  stat_.peak_resident_bytes =
-      std::max(stat_.peak_resident_bytes, charged_now());
+  stat_.peak_resident_bytes = std::max(stat_.peak_resident_bytes, charged_now());
 }
 
 VmStat Pager::stats() const {

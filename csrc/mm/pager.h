@@ -200,7 +200,7 @@ class Pager {
   int readahead_pages_;
   bool readahead_aggressive_;
   std::uint64_t access_clock_ = 0;
-  std::uint64_t held_bytes_ = 0;  // charged to pages in the table
+  std::uint64_t held_bytes_ = 0;                  // charged to pages in the table
   std::vector<std::shared_ptr<void>> graveyard_;  // frames to drop unlocked
   // How long make_room waits for evicted memory still referenced outside the
   // pager before it gives up with a BudgetError.

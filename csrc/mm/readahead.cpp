@@ -78,8 +78,8 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     if (policy_ == Policy::optimal) {
       for (PageId other = 0; other < table_.size(); ++other) {
         const PageEntry& o = table_.at(other);
-        bool busy = o.state == PageState::in_flight ||
-            (o.state == PageState::resident && o.refs > 0);
+        bool busy =
+            o.state == PageState::in_flight || (o.state == PageState::resident && o.refs > 0);
         if (busy && !o.pinned && other != id) {
           cands.push_back(Candidate{other, o.spec.priority, o.last_access, 0});
         }
@@ -93,7 +93,8 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
       return false;
     }
     std::size_t pick = choose_victim(policy_, cands);
-    if (readahead_aggressive_ && (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when)) {
+    if (readahead_aggressive_ &&
+        (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when)) {
       // Aggressive mode: MIN's choice is busy, so take the best victim that
       // is evictable now and not needed before this page. It may cost a
       // read MIN would not make, and buys overlap when the budget is small.

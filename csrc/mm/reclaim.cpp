@@ -5,7 +5,6 @@
 #include <stdexcept>
 
 #include "mm/bug.h"
-#include "mm/bug.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
@@ -39,8 +38,7 @@ Policy policy_from_string(const std::string& s) {
     return Policy::optimal;
   }
   throw std::invalid_argument(
-      "[policy_from_string] unknown eviction policy '" + s +
-      "': use 'lru' or 'optimal'");
+      "[policy_from_string] unknown eviction policy '" + s + "': use 'lru' or 'optimal'");
 }
 
 // True when `a` should be evicted before `b`.
@@ -75,8 +73,7 @@ std::vector<Candidate> Pager::evictable_locked(const Lock& lock) const {
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
     if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
-      out.push_back(Candidate{
-          id, e.spec.priority, e.last_access, schedule_.next_use(id, cursor_)});
+      out.push_back(Candidate{id, e.spec.priority, e.last_access, schedule_.next_use(id, cursor_)});
     }
   }
   return out;
@@ -126,9 +123,9 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
   if (need > budget_) {
     throw BudgetError(
         "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
-        std::to_string(need) + " bytes but the page budget is " +
-        std::to_string(budget_) + " bytes: raise the budget to at least " +
-        std::to_string(need + pinned_bytes_locked(lock)) + " bytes");
+        std::to_string(need) + " bytes but the page budget is " + std::to_string(budget_) +
+        " bytes: raise the budget to at least " + std::to_string(need + pinned_bytes_locked(lock)) +
+        " bytes");
   }
   auto zombie_deadline = std::chrono::steady_clock::time_point::max();
   for (;;) {
@@ -171,8 +168,7 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
       }
       throw BudgetError(
           "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
-          std::to_string(need) + " bytes; the budget is " +
-          std::to_string(budget_) + " and " +
+          std::to_string(need) + " bytes; the budget is " + std::to_string(budget_) + " and " +
           std::to_string(charged - held_bytes_) +
           " bytes of evicted pages are still referenced outside the pager: "
           "drop the arrays acquire() returned once release() is called");
@@ -180,10 +176,11 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
     throw BudgetError(
         "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
         std::to_string(need) + " bytes but only " +
-        std::to_string(budget_ - std::min(budget_, charged)) +
-        " of the budget's " + std::to_string(budget_) +
+        std::to_string(budget_ - std::min(budget_, charged)) + " of the budget's " +
+        std::to_string(budget_) +
         " bytes are free and every resident page is acquired or pinned "
-        "(pinned " + std::to_string(pinned_bytes_locked(lock)) +
+        "(pinned " +
+        std::to_string(pinned_bytes_locked(lock)) +
         " bytes): release pages first or raise the budget");
   }
 }

@@ -27,7 +27,7 @@ Policy policy_from_string(const std::string& s);
 struct Candidate {
   PageId id = 0;
   int priority = 0;
-  std::uint64_t last_access = 0;  // larger = more recent
+  std::uint64_t last_access = 0;              // larger = more recent
   std::uint64_t next_use = Schedule::kNever;  // accesses until used again
 };
 

@@ -16,13 +16,12 @@ constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;
 
 class Json {
  public:
-  Json(const std::string& text, const std::string& path)
-      : s_(text), path_(path) {}
+  Json(const std::string& text, const std::string& path) : s_(text), path_(path) {}
 
   [[noreturn]] void fail(const std::string& what) const {
     throw std::runtime_error(
-        "[read_safetensors_index] " + path_ + ": bad header at byte " +
-        std::to_string(pos_) + ": " + what);
+        "[read_safetensors_index] " + path_ + ": bad header at byte " + std::to_string(pos_) +
+        ": " + what);
   }
   void ws() {
     while (pos_ < s_.size() && std::strchr(" \t\r\n", s_[pos_]) && s_[pos_]) {
@@ -51,11 +50,21 @@ class Json {
         }
         char e = s_[pos_++];
         switch (e) {
-          case 'n': out += '\n'; break;
-          case 't': out += '\t'; break;
-          case 'r': out += '\r'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
+          case 'n':
+            out += '\n';
+            break;
+          case 't':
+            out += '\t';
+            break;
+          case 'r':
+            out += '\r';
+            break;
+          case 'b':
+            out += '\b';
+            break;
+          case 'f':
+            out += '\f';
+            break;
           case 'u': {
             if (pos_ + 4 > s_.size()) {
               fail("short \\u escape");
@@ -75,7 +84,8 @@ class Json {
             }
             break;
           }
-          default: out += e;
+          default:
+            out += e;
         }
       } else {
         out += c;
@@ -127,21 +137,33 @@ class Json {
       str();
     } else if (peek('{')) {
       ++pos_;
-      if (peek('}')) { ++pos_; return; }
+      if (peek('}')) {
+        ++pos_;
+        return;
+      }
       for (;;) {
         str();
         expect(':');
         skip();
-        if (peek(',')) { ++pos_; continue; }
+        if (peek(',')) {
+          ++pos_;
+          continue;
+        }
         expect('}');
         return;
       }
     } else if (peek('[')) {
       ++pos_;
-      if (peek(']')) { ++pos_; return; }
+      if (peek(']')) {
+        ++pos_;
+        return;
+      }
       for (;;) {
         skip();
-        if (peek(',')) { ++pos_; continue; }
+        if (peek(',')) {
+          ++pos_;
+          continue;
+        }
         expect(']');
         return;
       }
@@ -182,14 +204,14 @@ class Json {
 
 const SafetensorsDtype* find_safetensors_dtype(const std::string& d) {
   static constexpr SafetensorsDtype kTable[] = {
-      {"BOOL", ScalarType::bool_, 1},     {"U8", ScalarType::uint8, 1},
-      {"I8", ScalarType::int8, 1},        {"F8_E4M3", ScalarType::uint8, 1},
-      {"F8_E5M2", ScalarType::uint8, 1},  {"F8_E8M0", ScalarType::uint8, 1},
-      {"U16", ScalarType::uint16, 2},     {"I16", ScalarType::int16, 2},
-      {"F16", ScalarType::float16, 2},    {"BF16", ScalarType::bfloat16, 2},
-      {"U32", ScalarType::uint32, 4},     {"I32", ScalarType::int32, 4},
-      {"F32", ScalarType::float32, 4},    {"U64", ScalarType::uint64, 8},
-      {"I64", ScalarType::int64, 8},      {"F64", ScalarType::float64, 8},
+      {"BOOL", ScalarType::bool_, 1},    {"U8", ScalarType::uint8, 1},
+      {"I8", ScalarType::int8, 1},       {"F8_E4M3", ScalarType::uint8, 1},
+      {"F8_E5M2", ScalarType::uint8, 1}, {"F8_E8M0", ScalarType::uint8, 1},
+      {"U16", ScalarType::uint16, 2},    {"I16", ScalarType::int16, 2},
+      {"F16", ScalarType::float16, 2},   {"BF16", ScalarType::bfloat16, 2},
+      {"U32", ScalarType::uint32, 4},    {"I32", ScalarType::int32, 4},
+      {"F32", ScalarType::float32, 4},   {"U64", ScalarType::uint64, 8},
+      {"I64", ScalarType::int64, 8},     {"F64", ScalarType::float64, 8},
       {"C64", ScalarType::complex64, 8},
   };
   for (const SafetensorsDtype& row : kTable) {
@@ -253,7 +275,10 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
           std::string k = j.str();
           j.expect(':');
           idx.metadata[k] = j.str();
-          if (j.peek(',')) { ++j.pos_; continue; }
+          if (j.peek(',')) {
+            ++j.pos_;
+            continue;
+          }
           break;
         }
       }
@@ -280,7 +305,10 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
         } else {
           j.skip();
         }
-        if (j.peek(',')) { ++j.pos_; continue; }
+        if (j.peek(',')) {
+          ++j.pos_;
+          continue;
+        }
         break;
       }
       j.expect('}');
@@ -299,9 +327,9 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
         count *= static_cast<std::uint64_t>(d);
       }
       if (count * item != e.nbytes) {
-        j.fail("tensor '" + name + "' holds " + std::to_string(e.nbytes) +
-               " bytes but its shape and dtype need " +
-               std::to_string(count * item));
+        j.fail(
+            "tensor '" + name + "' holds " + std::to_string(e.nbytes) +
+            " bytes but its shape and dtype need " + std::to_string(count * item));
       }
       if (e.offset + e.nbytes > idx.file_size) {
         throw std::runtime_error(

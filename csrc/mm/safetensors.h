@@ -13,9 +13,9 @@
 namespace mlx_pager {
 
 struct SafetensorsEntry {
-  std::string dtype;             // as written: "BF16", "F32", "U32", ...
+  std::string dtype;  // as written: "BF16", "F32", "U32", ...
   std::vector<std::int64_t> shape;
-  std::uint64_t offset = 0;      // absolute byte offset of the data in the file
+  std::uint64_t offset = 0;  // absolute byte offset of the data in the file
   std::uint64_t nbytes = 0;
 };
 
@@ -36,8 +36,20 @@ SafetensorsIndex read_safetensors_index(const std::string& path);
 // MLX layer maps each to its mx::Dtype with an exhaustive switch). The FP8
 // formats, which MLX has no type for, are raw bytes (uint8).
 enum class ScalarType {
-  bool_, uint8, int8, uint16, int16, uint32, int32, uint64, int64,
-  float16, bfloat16, float32, float64, complex64,
+  bool_,
+  uint8,
+  int8,
+  uint16,
+  int16,
+  uint32,
+  int32,
+  uint64,
+  int64,
+  float16,
+  bfloat16,
+  float32,
+  float64,
+  complex64,
 };
 
 // One row of the dtype table: the name as written in headers, its element

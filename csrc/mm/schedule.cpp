@@ -12,9 +12,8 @@ Schedule::Schedule(std::vector<PageId> order, std::size_t num_pages, bool repeat
   for (std::size_t i = 0; i < order_.size(); ++i) {
     if (order_[i] >= num_pages) {
       throw std::invalid_argument(
-          "[Schedule] access " + std::to_string(i) + " names page id " +
-          std::to_string(order_[i]) + " but only " +
-          std::to_string(num_pages) + " pages are registered");
+          "[Schedule] access " + std::to_string(i) + " names page id " + std::to_string(order_[i]) +
+          " but only " + std::to_string(num_pages) + " pages are registered");
     }
     positions_[order_[i]].push_back(static_cast<std::uint32_t>(i));
   }

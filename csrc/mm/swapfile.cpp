@@ -12,8 +12,7 @@ SwapWriter::SwapWriter(
     std::uint64_t reserve_bytes,
     std::size_t staging_bytes,
     bool want_direct)
-    : file_(DirectFile::create_write(path, reserve_bytes, want_direct)),
-      buf_(staging_bytes) {}
+    : file_(DirectFile::create_write(path, reserve_bytes, want_direct)), buf_(staging_bytes) {}
 
 void SwapWriter::flush_full() {
   file_.pwrite_full(buf_.data(), buf_.size(), buf_offset_);

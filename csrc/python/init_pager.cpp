@@ -57,92 +57,111 @@ nb::dict stats_dict(const VmStat& s) {
 }  // namespace
 
 void init_pager(nb::module_& m) {
-  nb::class_<TensorPager>(m, "Pager",
+  nb::class_<TensorPager>(
+      m, "Pager",
       "Pages of named mx.arrays kept on SSD or in memory under a byte budget.\n"
       "See csrc/mlx/tensor_pager.h and csrc/mm/pager.h for the contract.")
-      .def("__init__",
-           [](TensorPager* self, std::uint64_t budget_bytes, const std::string& policy,
-              int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io,
-              const std::string& readahead_mode) {
-             PagerConfig c;
-             if (readahead_mode != "conservative" && readahead_mode != "aggressive") {
-               throw std::invalid_argument(
-                   "[Pager] readahead_mode must be 'conservative' or 'aggressive', not '" + readahead_mode + "'");
-             }
-             c.readahead_aggressive = readahead_mode == "aggressive";
-             c.budget_bytes = budget_bytes;
-             c.policy = policy_from_string(policy);
-             c.readahead_pages = readahead;
-             c.io_threads = io_threads;
-             c.io_chunk_bytes = io_chunk_bytes;
-             c.direct_io = direct_io;
-             new (self) TensorPager(c);
-           },
-           "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2,
-           "io_threads"_a = 4, "io_chunk_bytes"_a = kDefaultIoChunkBytes, "direct_io"_a = true,
-           "readahead_mode"_a = "conservative")
-      .def("add_page_in_place",
-           [](TensorPager& tp, const std::string& name,
-              const std::vector<InPlaceTensor>& tensors, int priority) {
-             std::vector<FileTensor> ft;
-             for (auto& [tname, path, offset, nbytes, dtype, shape] : tensors) {
-               ft.push_back(FileTensor{{tname, dtype, mx::Shape(shape.begin(), shape.end())},
-                                       path, offset, nbytes});
-             }
-             return tp.add_page_in_place(name, ft, priority);
-           },
-           "name"_a, "tensors"_a, "priority"_a = 0,
-           "Registers a page read in place; tensors are (name, path, offset, nbytes, dtype, shape).")
-      .def("add_page_from_swap",
-           [](TensorPager& tp, const std::string& name, const std::string& swap_path,
-              std::uint64_t page_offset, const std::vector<SwapTensor>& tensors, int priority) {
-             std::vector<TensorSpec> specs;
-             for (auto& [tname, dtype, shape] : tensors) {
-               specs.push_back(TensorSpec{tname, dtype, mx::Shape(shape.begin(), shape.end())});
-             }
-             return tp.add_page_from_swap(name, swap_path, page_offset, specs, priority);
-           },
-           "name"_a, "swap_path"_a, "page_offset"_a, "tensors"_a, "priority"_a = 0,
-           "Registers a page written by SwapWriter.write_page; tensors are (name, dtype, shape).")
-      .def("acquire",
-           [](TensorPager& tp, nb::handle page) {
-             PageId id = page_id(tp, page);
-             NamedArrays arrays;
-             {
-               nb::gil_scoped_release unlocked;
-               arrays = tp.acquire(id);
-             }
-             nb::dict d;
-             for (auto& [name, a] : arrays) {
-               d[nb::str(name.c_str())] = nb::cast(std::move(a));
-             }
-             return d;
-           },
-           "page"_a, "The page's tensors as {name: mx.array}; reads the page if needed.")
-      .def("release",
-           [](TensorPager& tp, nb::handle page) {
-             PageId id = page_id(tp, page);
-             nb::gil_scoped_release unlocked;
-             tp.release(id);
-           }, "page"_a)
-      .def("pin",
-           [](TensorPager& tp, nb::handle page) {
-             PageId id = page_id(tp, page);
-             nb::gil_scoped_release unlocked;
-             tp.pager().pin(id);
-           }, "page"_a)
+      .def(
+          "__init__",
+          [](TensorPager* self, std::uint64_t budget_bytes, const std::string& policy,
+             int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io,
+             const std::string& readahead_mode) {
+            PagerConfig c;
+            if (readahead_mode != "conservative" && readahead_mode != "aggressive") {
+              throw std::invalid_argument(
+                  "[Pager] readahead_mode must be 'conservative' or 'aggressive', not '" +
+                  readahead_mode + "'");
+            }
+            c.readahead_aggressive = readahead_mode == "aggressive";
+            c.budget_bytes = budget_bytes;
+            c.policy = policy_from_string(policy);
+            c.readahead_pages = readahead;
+            c.io_threads = io_threads;
+            c.io_chunk_bytes = io_chunk_bytes;
+            c.direct_io = direct_io;
+            new (self) TensorPager(c);
+          },
+          "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2, "io_threads"_a = 4,
+          "io_chunk_bytes"_a = kDefaultIoChunkBytes, "direct_io"_a = true,
+          "readahead_mode"_a = "conservative")
+      .def(
+          "add_page_in_place",
+          [](TensorPager& tp, const std::string& name, const std::vector<InPlaceTensor>& tensors,
+             int priority) {
+            std::vector<FileTensor> ft;
+            for (auto& [tname, path, offset, nbytes, dtype, shape] : tensors) {
+              ft.push_back(FileTensor{
+                  {tname, dtype, mx::Shape(shape.begin(), shape.end())}, path, offset, nbytes});
+            }
+            return tp.add_page_in_place(name, ft, priority);
+          },
+          "name"_a, "tensors"_a, "priority"_a = 0,
+          "Registers a page read in place; tensors are (name, path, offset, nbytes, dtype, shape).")
+      .def(
+          "add_page_from_swap",
+          [](TensorPager& tp, const std::string& name, const std::string& swap_path,
+             std::uint64_t page_offset, const std::vector<SwapTensor>& tensors, int priority) {
+            std::vector<TensorSpec> specs;
+            for (auto& [tname, dtype, shape] : tensors) {
+              specs.push_back(TensorSpec{tname, dtype, mx::Shape(shape.begin(), shape.end())});
+            }
+            return tp.add_page_from_swap(name, swap_path, page_offset, specs, priority);
+          },
+          "name"_a, "swap_path"_a, "page_offset"_a, "tensors"_a, "priority"_a = 0,
+          "Registers a page written by SwapWriter.write_page; tensors are (name, dtype, shape).")
+      .def(
+          "acquire",
+          [](TensorPager& tp, nb::handle page) {
+            PageId id = page_id(tp, page);
+            NamedArrays arrays;
+            {
+              nb::gil_scoped_release unlocked;
+              arrays = tp.acquire(id);
+            }
+            nb::dict d;
+            for (auto& [name, a] : arrays) {
+              d[nb::str(name.c_str())] = nb::cast(std::move(a));
+            }
+            return d;
+          },
+          "page"_a, "The page's tensors as {name: mx.array}; reads the page if needed.")
+      .def(
+          "release",
+          [](TensorPager& tp, nb::handle page) {
+            PageId id = page_id(tp, page);
+            nb::gil_scoped_release unlocked;
+            tp.release(id);
+          },
+          "page"_a)
+      .def(
+          "pin",
+          [](TensorPager& tp, nb::handle page) {
+            PageId id = page_id(tp, page);
+            nb::gil_scoped_release unlocked;
+            tp.pager().pin(id);
+          },
+          "page"_a)
       .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
-      .def("set_schedule",
-           [](TensorPager& tp, const std::vector<PageId>& order, bool repeat) {
-             tp.pager().set_schedule(order, repeat);
-           },
-           "order"_a, "repeat"_a = true)
-      .def("set_budget", [](TensorPager& tp, std::uint64_t b) { return tp.pager().set_budget(b); }, "bytes"_a)
+      .def(
+          "set_schedule",
+          [](TensorPager& tp, const std::vector<PageId>& order, bool repeat) {
+            tp.pager().set_schedule(order, repeat);
+          },
+          "order"_a, "repeat"_a = true)
+      .def(
+          "set_budget", [](TensorPager& tp, std::uint64_t b) { return tp.pager().set_budget(b); },
+          "bytes"_a)
       .def_prop_ro("budget", [](const TensorPager& tp) { return tp.pager().budget(); })
-      .def("lookup", [](const TensorPager& tp, const std::string& n) { return tp.pager().lookup(n); }, "name"_a)
-      .def("page_name", [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).name; }, "page"_a)
-      .def("page_bytes",
-           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; }, "page"_a,
-           "Bytes of the page's frame in memory.")
+      .def(
+          "lookup",
+          [](const TensorPager& tp, const std::string& n) { return tp.pager().lookup(n); },
+          "name"_a)
+      .def(
+          "page_name", [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).name; },
+          "page"_a)
+      .def(
+          "page_bytes",
+          [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; },
+          "page"_a, "Bytes of the page's frame in memory.")
       .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); });
 }

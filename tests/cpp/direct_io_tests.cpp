@@ -44,7 +44,8 @@ TEST_CASE("direct_io: a file system that refuses O_DIRECT falls back, visibly") 
   {
     auto w = DirectFile::create_write(path, 0, false);
     char data[5000];
-    for (int i = 0; i < 5000; ++i) data[i] = static_cast<char>(i * 7);
+    for (int i = 0; i < 5000; ++i)
+      data[i] = static_cast<char>(i * 7);
     w.pwrite_full(data, sizeof data, 0);
   }
   auto f = DirectFile::open_read(path);
@@ -54,7 +55,8 @@ TEST_CASE("direct_io: a file system that refuses O_DIRECT falls back, visibly") 
   std::size_t got = f.pread_full(buf, 2 * kIoAlign, 0);
   CHECK_EQ(got, 5000u);
   bool ok = true;
-  for (int i = 0; i < 5000; ++i) ok &= buf[i] == static_cast<char>(i * 7);
+  for (int i = 0; i < 5000; ++i)
+    ok &= buf[i] == static_cast<char>(i * 7);
   CHECK(ok);
   aligned_free_io(buf);
   std::filesystem::remove(path);
@@ -73,8 +75,9 @@ TEST_CASE("direct_io: a refused O_DIRECT falls back to buffered reads, and says 
 }
 
 TEST_CASE("direct_io: a missing file is an error naming the path") {
-  CHECK_THROWS_WITH(DirectFile::open_read("/nonexistent/dir/model.safetensors"),
-                    "/nonexistent/dir/model.safetensors");
+  CHECK_THROWS_WITH(
+      DirectFile::open_read("/nonexistent/dir/model.safetensors"),
+      "/nonexistent/dir/model.safetensors");
 }
 
 TEST_CASE("direct_io: create_write reserves space up front") {
@@ -82,8 +85,7 @@ TEST_CASE("direct_io: create_write reserves space up front") {
   auto w = DirectFile::create_write(path, 1 << 20);
   CHECK_EQ(w.size(), 1u << 20);
   CHECK_THROWS_WITH(
-      DirectFile::create_write(check::temp_dir() + "/no/such/dir/x.bin", 10),
-      "no/such/dir");
+      DirectFile::create_write(check::temp_dir() + "/no/such/dir/x.bin", 10), "no/such/dir");
 }
 
 TEST_CASE("direct_io: an aligned buffer is aligned, rounded up and movable") {

@@ -3,9 +3,9 @@
 #include <cstring>
 
 #include "check.h"
-#include "test_files.h"
 #include "mm/direct_io.h"
 #include "mm/layout.h"
+#include "test_files.h"
 
 using namespace mlx_pager;
 
@@ -15,11 +15,14 @@ using namespace mlx_pager;
 static bool plan_is_consistent(const PagePlan& p, const std::vector<TensorSource>& src) {
   for (std::size_t i = 0; i < p.extents.size(); ++i) {
     const Extent& a = p.extents[i];
-    if (a.file_offset % kIoAlign || a.length % kIoAlign || a.frame_offset % kIoAlign) return false;
-    if (a.frame_offset + a.length > p.frame_bytes) return false;
+    if (a.file_offset % kIoAlign || a.length % kIoAlign || a.frame_offset % kIoAlign)
+      return false;
+    if (a.frame_offset + a.length > p.frame_bytes)
+      return false;
     for (std::size_t j = i + 1; j < p.extents.size(); ++j) {
       const Extent& b = p.extents[j];
-      if (a.frame_offset < b.frame_offset + b.length && b.frame_offset < a.frame_offset + a.length) return false;
+      if (a.frame_offset < b.frame_offset + b.length && b.frame_offset < a.frame_offset + a.length)
+        return false;
     }
   }
   std::vector<char> frame(p.frame_bytes, 0);
@@ -29,13 +32,16 @@ static bool plan_is_consistent(const PagePlan& p, const std::vector<TensorSource
     }
   }
   for (const FrameMove& m : p.moves) {
-    if (std::max(m.from, m.to) + m.length > p.frame_bytes) return false;
+    if (std::max(m.from, m.to) + m.length > p.frame_bytes)
+      return false;
     std::memmove(frame.data() + m.to, frame.data() + m.from, m.length);
   }
   for (std::size_t t = 0; t < src.size(); ++t) {
     const PlacedTensor& pt = p.tensors[t];
-    if (pt.frame_offset % std::min<std::uint64_t>(kInPlaceAlign, 16) != 0) return false;
-    if (!check::matches_pattern(frame.data() + pt.frame_offset, src[t].nbytes, src[t].file, src[t].offset)) {
+    if (pt.frame_offset % std::min<std::uint64_t>(kInPlaceAlign, 16) != 0)
+      return false;
+    if (!check::matches_pattern(
+            frame.data() + pt.frame_offset, src[t].nbytes, src[t].file, src[t].offset)) {
       return false;
     }
   }
@@ -45,7 +51,7 @@ static bool plan_is_consistent(const PagePlan& p, const std::vector<TensorSource
 TEST_CASE("layout: adjacent tensors of a block become one aligned read") {
   std::vector<TensorSource> t = {
       {"b", 0, 1000 + 4096, 8192, 2},
-      {"a", 0, 1000, 4096, 4},  // given out of file order
+      {"a", 0, 1000, 4096, 4},                    // given out of file order
       {"c", 0, 1000 + 4096 + 8192 + 64, 100, 4},  // a small gap
   };
   auto p = plan_in_place(t, {1 << 20});
@@ -89,7 +95,8 @@ TEST_CASE("layout: misaligned tensors are moved into place after the read") {
   CHECK(!p.moves.empty());
   CHECK(plan_is_consistent(p, t));
   // Moves run last tensor first.
-  for (std::size_t i = 1; i < p.moves.size(); ++i) CHECK(p.moves[i].from < p.moves[i - 1].from);
+  for (std::size_t i = 1; i < p.moves.size(); ++i)
+    CHECK(p.moves[i].from < p.moves[i - 1].from);
 }
 
 TEST_CASE("layout: a tensor outside its file cannot be planned") {

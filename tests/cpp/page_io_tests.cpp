@@ -20,7 +20,8 @@ TEST_CASE("page_io: round trips are byte-exact across threads, chunks and offset
     for (std::size_t chunk : {kIoAlign, std::size_t(64 << 10), std::size_t(1 << 20)}) {
       PageIO io(threads, chunk);
       // Several reads at different aligned offsets in one batch.
-      std::vector<std::uint64_t> offsets = {0, kIoAlign, 17 * kIoAlign, align_down(n - 1, kIoAlign)};
+      std::vector<std::uint64_t> offsets = {
+          0, kIoAlign, 17 * kIoAlign, align_down(n - 1, kIoAlign)};
       std::vector<char*> bufs;
       std::vector<ReadOp> ops;
       for (auto off : offsets) {
@@ -88,13 +89,15 @@ TEST_CASE("page_io: injected EIO and short reads fail the batch, not the process
   PageIO io(3, 64 << 10);
   char* b = static_cast<char*>(aligned_alloc_io(1 << 20));
   io.set_fault_injector([](const std::string&, std::uint64_t off, std::size_t&, int& err) {
-    if (off == (512 << 10)) err = EIO;
+    if (off == (512 << 10))
+      err = EIO;
   });
   auto batch = io.submit({ReadOp{&f, 0, 1 << 20, 1 << 20, b}});
   batch->wait();
   CHECK_THROWS_WITH(std::rethrow_exception(batch->error()), "inject.bin");
   io.set_fault_injector([](const std::string&, std::uint64_t off, std::size_t& len, int&) {
-    if (off == 0) len = kIoAlign;  // a short read
+    if (off == 0)
+      len = kIoAlign;  // a short read
   });
   batch = io.submit({ReadOp{&f, 0, 1 << 20, 1 << 20, b}});
   batch->wait();
@@ -117,7 +120,8 @@ TEST_CASE("page_io: the destructor waits for reads still queued") {
     io.set_fault_injector([](const std::string&, std::uint64_t, std::size_t&, int&) {
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     });
-    io.submit({ReadOp{&f, 0, 1 << 20, 1 << 20, b}}, [&](IoBatch&) { done = true; }, false);
+    io.submit(
+        {ReadOp{&f, 0, 1 << 20, 1 << 20, b}}, [&](IoBatch&) { done = true; }, false);
   }
   CHECK(done.load());
   CHECK(check::matches_pattern(b, 1 << 20, 15, 0));

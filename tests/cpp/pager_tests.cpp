@@ -56,11 +56,13 @@ PagerConfig config(std::uint64_t pages_budget, Policy policy, int readahead) {
 // for `k` equal pages. Returns the number of page loads.
 std::uint64_t belady_loads(const std::vector<PageId>& order, int cycles, int k) {
   std::vector<PageId> seq;
-  for (int c = 0; c < cycles; ++c) seq.insert(seq.end(), order.begin(), order.end());
+  for (int c = 0; c < cycles; ++c)
+    seq.insert(seq.end(), order.begin(), order.end());
   std::vector<PageId> cache;
   std::uint64_t loads = 0;
   for (std::size_t t = 0; t < seq.size(); ++t) {
-    if (std::find(cache.begin(), cache.end(), seq[t]) != cache.end()) continue;
+    if (std::find(cache.begin(), cache.end(), seq[t]) != cache.end())
+      continue;
     ++loads;
     if (static_cast<int>(cache.size()) == k) {
       // evict the page whose next use is furthest (or never)
@@ -68,9 +70,15 @@ std::uint64_t belady_loads(const std::vector<PageId>& order, int cycles, int k) 
       for (std::size_t i = 0; i < cache.size(); ++i) {
         std::size_t nu = seq.size() + 1;
         for (std::size_t u = t + 1; u < seq.size(); ++u) {
-          if (seq[u] == cache[i]) { nu = u; break; }
+          if (seq[u] == cache[i]) {
+            nu = u;
+            break;
+          }
         }
-        if (nu > best) { best = nu; victim = i; }
+        if (nu > best) {
+          best = nu;
+          victim = i;
+        }
       }
       cache.erase(cache.begin() + victim);
     }
@@ -89,7 +97,8 @@ std::uint64_t lru_loads(const std::vector<PageId>& order, int cycles, int k) {
         cache.erase(it);
       } else {
         ++loads;
-        if (static_cast<int>(cache.size()) == k) cache.erase(cache.begin());
+        if (static_cast<int>(cache.size()) == k)
+          cache.erase(cache.begin());
       }
       cache.push_back(p);
     }
@@ -99,8 +108,10 @@ std::uint64_t lru_loads(const std::vector<PageId>& order, int cycles, int k) {
 
 std::vector<PageId> forward_backward(int n, int first_adapted = 0) {
   std::vector<PageId> o;
-  for (int i = 0; i < n; ++i) o.push_back(i);
-  for (int i = n - 1; i >= first_adapted; --i) o.push_back(i);
+  for (int i = 0; i < n; ++i)
+    o.push_back(i);
+  for (int i = n - 1; i >= first_adapted; --i)
+    o.push_back(i);
   return o;
 }
 
@@ -116,10 +127,15 @@ VmStat settled(Pager& p) {
 
 // The pager is told the whole finite run (the schedule repeated `cycles`
 // times, then nothing), as the reference is.
-std::uint64_t run_schedule(Pager& p, const Fixture& fx, const std::vector<PageId>& order,
-                           int cycles, std::uint64_t budget) {
+std::uint64_t run_schedule(
+    Pager& p,
+    const Fixture& fx,
+    const std::vector<PageId>& order,
+    int cycles,
+    std::uint64_t budget) {
   std::vector<PageId> all;
-  for (int c = 0; c < cycles; ++c) all.insert(all.end(), order.begin(), order.end());
+  for (int c = 0; c < cycles; ++c)
+    all.insert(all.end(), order.begin(), order.end());
   p.set_schedule(all, /*repeat=*/false);
   for (int c = 0; c < cycles; ++c) {
     for (PageId id : order) {
@@ -167,8 +183,9 @@ TEST_CASE("pager: a page made of several extents from several files") {
     PageSpec s;
     s.name = "mixed";
     s.frame_bytes = 8 * kIoAlign;
-    s.extents = {Extent{b, kIoAlign, 2 * kIoAlign, 2 * kIoAlign, 0},
-                 Extent{a, 2 * kIoAlign, 2 * kIoAlign, kIoAlign + 10, 4 * kIoAlign}};
+    s.extents = {
+        Extent{b, kIoAlign, 2 * kIoAlign, 2 * kIoAlign, 0},
+        Extent{a, 2 * kIoAlign, 2 * kIoAlign, kIoAlign + 10, 4 * kIoAlign}};
     PageId id = p.add_page(s);
     Frame f = p.acquire(id);
     CHECK(check::matches_pattern(f.data, 2 * kIoAlign, 32, kIoAlign));
@@ -200,7 +217,8 @@ TEST_CASE("pager: optimal policy reads exactly Belady's minimum over forward-the
     auto order = forward_backward(12, first_adapted);
     for (int k : {1, 2, 3, 5, 8, 12, 13}) {
       for (int readahead : {0, 1, 3}) {
-        if (k == 1 && readahead > 0) continue;  // no room to read ahead
+        if (k == 1 && readahead > 0)
+          continue;  // no room to read ahead
         std::uint64_t budget = k * kPage;
         Pager p(config(k, Policy::optimal, readahead), std::make_shared<HeapFrameAllocator>());
         fx.register_pages(p);
@@ -208,8 +226,8 @@ TEST_CASE("pager: optimal policy reads exactly Belady's minimum over forward-the
         std::uint64_t want = belady_loads(order, 3, k);
         if (got != want) {
           std::cerr << "  k=" << k << " readahead=" << readahead
-                    << " first_adapted=" << first_adapted << ": read " << got
-                    << " pages, Belady " << want << "\n";
+                    << " first_adapted=" << first_adapted << ": read " << got << " pages, Belady "
+                    << want << "\n";
         }
         CHECK_EQ(got, want);
       }
@@ -230,7 +248,8 @@ TEST_CASE("pager: a repeating schedule reads Belady's per-step minimum in steady
         p.set_schedule(order, /*repeat=*/true);
         std::uint64_t before = 0;
         for (int c = 0; c < 4; ++c) {
-          if (c == 2) before = settled(p).pages_read;
+          if (c == 2)
+            before = settled(p).pages_read;
           for (PageId id : order) {
             Frame f = p.acquire(id);
             CHECK(fx.frame_ok(f, static_cast<int>(id)));
@@ -250,7 +269,8 @@ TEST_CASE("pager: lru matches the LRU simulator, and never beats Belady") {
   Fixture fx(10, 42, "pager_lru.bin");
   // A cyclic forward-only order is LRU's worst case.
   std::vector<PageId> cyclic;
-  for (int i = 0; i < 10; ++i) cyclic.push_back(i);
+  for (int i = 0; i < 10; ++i)
+    cyclic.push_back(i);
   for (auto order : {forward_backward(10), cyclic}) {
     for (int k : {2, 4, 7}) {
       Pager p(config(k, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
@@ -270,7 +290,8 @@ TEST_CASE("pager: optimal equals Belady on random schedules, with and without re
   for (int trial = 0; trial < 40; ++trial) {
     std::vector<PageId> order;
     int len = 5 + static_cast<int>(rng() % 30);
-    for (int i = 0; i < len; ++i) order.push_back(rng() % 9);
+    for (int i = 0; i < len; ++i)
+      order.push_back(rng() % 9);
     int k = 1 + static_cast<int>(rng() % 6);
     for (int readahead : {0, 1, 4}) {
       Pager p(config(k, Policy::optimal, readahead), std::make_shared<HeapFrameAllocator>());
@@ -344,7 +365,8 @@ TEST_CASE("pager: the budget holds with many threads racing readahead and faults
   std::atomic<bool> stop{false};
   std::thread watcher([&] {
     while (!stop) {
-      if (p.stats().resident_bytes_now > k * kPage) bad = true;
+      if (p.stats().resident_bytes_now > k * kPage)
+        bad = true;
     }
   });
   std::vector<std::thread> threads;
@@ -355,7 +377,8 @@ TEST_CASE("pager: the budget holds with many threads racing readahead and faults
         PageId id = rng() % 16;
         try {
           Frame f = p.acquire(id);
-          if (!fx.frame_ok(f, static_cast<int>(id))) bad = true;
+          if (!fx.frame_ok(f, static_cast<int>(id)))
+            bad = true;
           p.release(id);
         } catch (const BudgetError&) {
           // 4 threads may hold 4 pages; with readahead in flight a fault can
@@ -364,7 +387,8 @@ TEST_CASE("pager: the budget holds with many threads racing readahead and faults
       }
     });
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads)
+    t.join();
   stop = true;
   watcher.join();
   CHECK(!bad.load());
@@ -376,7 +400,8 @@ TEST_CASE("pager: a failed read names the page and file, and a retry succeeds") 
   Pager p(config(3, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
   fx.register_pages(p);
   p.set_fault_injector([](const std::string&, std::uint64_t off, std::size_t&, int& err) {
-    if (off >= kPage && off < 2 * kPage) err = EIO;
+    if (off >= kPage && off < 2 * kPage)
+      err = EIO;
   });
   CHECK_THROWS_WITH(p.acquire(1), "page 'block.1'");
   CHECK_THROWS_WITH(p.acquire(1), "pager_eio.bin");
@@ -408,7 +433,7 @@ TEST_CASE("pager: a budget too small for a page says what would fit") {
   Frame f = p.acquire(0);
   CHECK_THROWS_WITH(p.acquire(1), "every resident page is acquired or pinned");
   p.release(0);
-  f = Frame{};  // drop our view of page 0 too, or its memory stays charged
+  f = Frame{};       // drop our view of page 0 too, or its memory stays charged
   f = p.acquire(1);  // now 0 can be evicted
   p.release(1);
 }
@@ -448,7 +473,8 @@ TEST_CASE("pager: pinned pages are never evicted and are mlocked where allowed")
   CHECK(p.state(0) == PageState::resident);
   VmStat s = p.stats();
   CHECK_EQ(s.pinned_bytes_now, kPage);
-  std::cerr << "  mlocked " << s.mlocked_bytes_now << " of " << s.pinned_bytes_now << " pinned bytes\n";
+  std::cerr << "  mlocked " << s.mlocked_bytes_now << " of " << s.pinned_bytes_now
+            << " pinned bytes\n";
   p.unpin(0);
   p.evict_all();
   CHECK(p.state(0) == PageState::on_disk);

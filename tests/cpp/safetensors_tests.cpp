@@ -6,12 +6,16 @@
 
 using namespace mlx_pager;
 
-static std::string write_raw(const std::string& name, const std::string& header,
-                             std::size_t data_bytes, std::int64_t claimed_len = -1) {
+static std::string write_raw(
+    const std::string& name,
+    const std::string& header,
+    std::size_t data_bytes,
+    std::int64_t claimed_len = -1) {
   std::string path = check::temp_dir() + "/" + name;
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   std::uint64_t n = claimed_len >= 0 ? claimed_len : header.size();
-  for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xFF));
+  for (int i = 0; i < 8; ++i)
+    out.put(static_cast<char>((n >> (8 * i)) & 0xFF));
   out << header;
   out << std::string(data_bytes, '\x01');
   return path;
@@ -44,19 +48,25 @@ TEST_CASE("safetensors: a truncated file is named as truncated") {
 }
 
 TEST_CASE("safetensors: bad JSON, sizes and dtypes are errors naming the file") {
-  auto p1 = write_raw("json.safetensors", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})", 4);
+  auto p1 =
+      write_raw("json.safetensors", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})", 4);
   CHECK_THROWS_WITH(read_safetensors_index(p1), "json.safetensors");
-  auto p2 = write_raw("size.safetensors", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4);
+  auto p2 =
+      write_raw("size.safetensors", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", 4);
   CHECK_THROWS_WITH(read_safetensors_index(p2), "need 8");
-  auto p3 = write_raw("dtype.safetensors", R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 4);
+  auto p3 =
+      write_raw("dtype.safetensors", R"({"w":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}})", 4);
   CHECK_THROWS_WITH(read_safetensors_index(p3), "unknown dtype 'Q7'");
 }
 
 TEST_CASE("safetensors: bad escapes and huge integers name the file, not stoul") {
-  auto p1 = write_raw("esc.safetensors", R"({"w\uZZZZ":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4);
+  auto p1 = write_raw(
+      "esc.safetensors", R"({"w\uZZZZ":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4);
   CHECK_THROWS_WITH(read_safetensors_index(p1), "esc.safetensors");
   CHECK_THROWS_WITH(read_safetensors_index(p1), "bad \\u escape");
-  auto p2 = write_raw("big.safetensors", R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,4]}})", 4);
+  auto p2 = write_raw(
+      "big.safetensors",
+      R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,4]}})", 4);
   CHECK_THROWS_WITH(read_safetensors_index(p2), "big.safetensors");
   CHECK_THROWS_WITH(read_safetensors_index(p2), "[read_safetensors_index]");
 }

@@ -9,7 +9,7 @@ TEST_CASE("schedule: next use counts forward and wraps around") {
   Schedule s({0, 1, 2, 2, 1, 0}, 4);
   CHECK_EQ(s.next_use(0, 0), 0u);
   CHECK_EQ(s.next_use(0, 1), 4u);
-  CHECK_EQ(s.next_use(2, 4), 4u);   // wraps into the next step
+  CHECK_EQ(s.next_use(2, 4), 4u);  // wraps into the next step
   CHECK_EQ(s.next_use(1, 5), 2u);
   CHECK(s.next_use(3, 0) == Schedule::kNever);  // never scheduled
   CHECK_EQ(s.next_position(1, 2), 4u);

@@ -24,7 +24,8 @@ TEST_CASE("swapfile: pages written through the staging pool read back exactly") 
         w.pad_to(kTensorAlign);
         CHECK_EQ(w.position() - start, layout.offsets[i]);
         std::vector<char> data(sizes[i]);
-        for (std::size_t k = 0; k < data.size(); ++k) data[k] = check::pattern_byte(seed, k);
+        for (std::size_t k = 0; k < data.size(); ++k)
+          data[k] = check::pattern_byte(seed, k);
         w.write(data.data(), data.size());
         ++seed;
       }

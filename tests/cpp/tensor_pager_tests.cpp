@@ -1,11 +1,11 @@
 // tensor_pager_tests.cpp: pages of mx::arrays hold exactly the stored bytes
 // (every dtype, 4-bit packed weights), compute like arrays MLX loads itself,
 // view one frame with no copy, and free MLX memory when evicted.
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <atomic>
-#include <chrono>
 #include <thread>
 #include <unordered_map>
 
@@ -47,16 +47,17 @@ std::unordered_map<std::string, mx::array> every_dtype() {
   m.emplace("qw.weight", q[0]);
   m.emplace("qw.scales", q[1]);
   m.emplace("qw.biases", q[2]);
-  for (auto& [k, v] : m) mx::eval(v);
+  for (auto& [k, v] : m)
+    mx::eval(v);
   return m;
 }
 
 bool same_bytes(const mx::array& a, const mx::array& b) {
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  if (a.dtype() != b.dtype() || a.shape() != b.shape())
+    return false;
   auto ca = mx::contiguous(a), cb = mx::contiguous(b);
   mx::eval(ca, cb);
-  return a.nbytes() == 0 ||
-      std::memcmp(ca.data<char>(), cb.data<char>(), a.nbytes()) == 0;
+  return a.nbytes() == 0 || std::memcmp(ca.data<char>(), cb.data<char>(), a.nbytes()) == 0;
 }
 
 PagerConfig cfg(std::uint64_t budget) {
@@ -70,7 +71,8 @@ std::vector<FileTensor> from_index(const SafetensorsIndex& idx) {
   std::vector<FileTensor> out;
   for (auto& [name, e] : idx.tensors) {
     mx::Shape shape(e.shape.begin(), e.shape.end());
-    out.push_back(FileTensor{{name, dtype_from_safetensors(e.dtype), shape}, idx.path, e.offset, e.nbytes});
+    out.push_back(
+        FileTensor{{name, dtype_from_safetensors(e.dtype), shape}, idx.path, e.offset, e.nbytes});
   }
   return out;
 }
@@ -89,7 +91,8 @@ TEST_CASE("tensor_pager: every dtype comes back byte-exact from a safetensors fi
   for (auto& [name, arr] : got) {
     CHECK(same_bytes(arr, ref.at(name)));
     CHECK(same_bytes(arr, loaded.at(name)));
-    if (!same_bytes(arr, ref.at(name))) std::cerr << "  tensor " << name << " differs\n";
+    if (!same_bytes(arr, ref.at(name)))
+      std::cerr << "  tensor " << name << " differs\n";
   }
   tp.release(id);
 }
@@ -104,18 +107,22 @@ TEST_CASE("tensor_pager: paged arrays compute exactly like MLX-loaded ones") {
   std::unordered_map<std::string, mx::array> g(got.begin(), got.end());
   auto loaded = mx::load_safetensors(path).first;
   auto x = mx::random::normal({5, 128});
-  auto y1 = mx::quantized_matmul(x, g.at("qw.weight"), g.at("qw.scales"), g.at("qw.biases"), true, 64, 4);
-  auto y2 = mx::quantized_matmul(x, loaded.at("qw.weight"), loaded.at("qw.scales"), loaded.at("qw.biases"), true, 64, 4);
+  auto y1 =
+      mx::quantized_matmul(x, g.at("qw.weight"), g.at("qw.scales"), g.at("qw.biases"), true, 64, 4);
+  auto y2 = mx::quantized_matmul(
+      x, loaded.at("qw.weight"), loaded.at("qw.scales"), loaded.at("qw.biases"), true, 64, 4);
   auto z1 = mx::matmul(g.at("bf16"), mx::transpose(g.at("bf16")));
   auto z2 = mx::matmul(loaded.at("bf16"), mx::transpose(loaded.at("bf16")));
   CHECK(mx::array_equal(y1, y2).item<bool>());
   CHECK(mx::array_equal(z1, z2).item<bool>());
   // Gradients flow through paged weights like through any constant.
   auto grad = mx::grad([&](const mx::array& xx) {
-    return mx::sum(mx::quantized_matmul(xx, g.at("qw.weight"), g.at("qw.scales"), g.at("qw.biases"), true, 64, 4));
+    return mx::sum(mx::quantized_matmul(
+        xx, g.at("qw.weight"), g.at("qw.scales"), g.at("qw.biases"), true, 64, 4));
   })(x);
   auto grad2 = mx::grad([&](const mx::array& xx) {
-    return mx::sum(mx::quantized_matmul(xx, loaded.at("qw.weight"), loaded.at("qw.scales"), loaded.at("qw.biases"), true, 64, 4));
+    return mx::sum(mx::quantized_matmul(
+        xx, loaded.at("qw.weight"), loaded.at("qw.scales"), loaded.at("qw.biases"), true, 64, 4));
   })(x);
   CHECK(mx::array_equal(grad, grad2).item<bool>());
   tp.release(id);
@@ -186,7 +193,8 @@ TEST_CASE("tensor_pager: pages written to the swap file read back exactly") {
   }
   TensorPager tp(cfg(64 << 20));
   PageId a = tp.add_page_from_swap("a", swap, off1, specs);
-  PageId b = tp.add_page_from_swap("b", swap, off2, {TensorSpec{"bf16", mx::bfloat16, ref.at("bf16").shape()}});
+  PageId b = tp.add_page_from_swap(
+      "b", swap, off2, {TensorSpec{"bf16", mx::bfloat16, ref.at("bf16").shape()}});
   auto got = tp.acquire(a);
   for (std::size_t i = 0; i < names.size(); ++i) {
     CHECK(same_bytes(got[i].second, ref.at(names[i])));
@@ -242,8 +250,10 @@ TEST_CASE("tensor_pager: readahead and faults racing on the same pages give corr
   }
   tp.pager().set_budget(4 * (tp.pager().spec(ids[0]).frame_bytes + kIoAlign));
   std::vector<PageId> order;
-  for (int i = 0; i < 12; ++i) order.push_back(ids[i]);
-  for (int i = 11; i >= 0; --i) order.push_back(ids[i]);
+  for (int i = 0; i < 12; ++i)
+    order.push_back(ids[i]);
+  for (int i = 11; i >= 0; --i)
+    order.push_back(ids[i]);
   tp.pager().set_schedule(order);
   tp.pager().set_fault_injector([](const std::string&, std::uint64_t, std::size_t&, int&) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -257,7 +267,8 @@ TEST_CASE("tensor_pager: readahead and faults racing on the same pages give corr
         try {
           auto got = tp.acquire(ids[i]);
           float s = mx::sum(got[0].second).item<float>();
-          if (s != static_cast<float>(i) * 128 * 129) ++wrong;
+          if (s != static_cast<float>(i) * 128 * 129)
+            ++wrong;
           got.clear();
           tp.release(ids[i]);
         } catch (const BudgetError&) {
@@ -267,7 +278,8 @@ TEST_CASE("tensor_pager: readahead and faults racing on the same pages give corr
       }
     });
   }
-  for (auto& th : threads) th.join();
+  for (auto& th : threads)
+    th.join();
   CHECK_EQ(wrong.load(), 0);
   CHECK(tp.pager().stats().peak_resident_bytes <= tp.pager().budget());
 }
@@ -308,7 +320,8 @@ TEST_CASE("tensor_pager: views check item alignment and frame bounds; on_free ru
     Frame f = alloc.allocate(100, [&] { ++freed; });
     CHECK(f.footprint >= alloc.footprint(100));
     CHECK(reinterpret_cast<std::uintptr_t>(f.data) % kIoAlign == 0);
-    CHECK_THROWS_WITH(MlxFrameAllocator::view(f, 2, mx::float32, {4}), "not a multiple of its item size 4");
+    CHECK_THROWS_WITH(
+        MlxFrameAllocator::view(f, 2, mx::float32, {4}), "not a multiple of its item size 4");
     CHECK_THROWS_WITH(MlxFrameAllocator::view(f, 0, mx::float32, {1000}), "runs past its frame");
     CHECK_THROWS_WITH(MlxFrameAllocator::view(f, 96, mx::float32, {2}), "runs past its frame");
     mx::array v = MlxFrameAllocator::view(f, 8, mx::float64, {4});

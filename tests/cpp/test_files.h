@@ -34,7 +34,8 @@ inline std::string pattern_file(const std::string& name, std::uint64_t n, std::u
 }
 
 // True when [data, data + n) holds the pattern bytes of `seed` from `offset`.
-inline bool matches_pattern(const char* data, std::uint64_t n, std::uint64_t seed, std::uint64_t offset) {
+inline bool matches_pattern(
+    const char* data, std::uint64_t n, std::uint64_t seed, std::uint64_t offset) {
   for (std::uint64_t i = 0; i < n; ++i) {
     if (static_cast<std::uint8_t>(data[i]) != pattern_byte(seed, offset + i)) {
       return false;

@@ -54,15 +54,15 @@ int main(int argc, char** argv) {
     } catch (const std::exception& e) {
       check::fail(__FILE__, __LINE__, std::string("uncaught exception: ") + e.what());
     }
-    double ms = std::chrono::duration<double, std::milli>(
-                    std::chrono::steady_clock::now() - t0).count();
-    std::cerr << (check::g_case_failed ? "[FAIL] " : "[ ok ] ") << c.name
-              << " (" << static_cast<int>(ms) << " ms)\n";
+    double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::cerr << (check::g_case_failed ? "[FAIL] " : "[ ok ] ") << c.name << " ("
+              << static_cast<int>(ms) << " ms)\n";
     failed_cases += check::g_case_failed;
   }
   std::error_code ec;
   std::filesystem::remove_all(check::temp_dir(), ec);
-  std::cerr << ran << " test cases, " << failed_cases << " failed, "
-            << check::g_failures << " failed checks\n";
+  std::cerr << ran << " test cases, " << failed_cases << " failed, " << check::g_failures
+            << " failed checks\n";
   return (failed_cases == 0 && ran > 0) ? 0 : 1;
 }
