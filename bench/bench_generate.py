@@ -1,0 +1,182 @@
+"""Generation benchmark against the bound, side by side in one run.
+
+    python bench/bench_generate.py [--out bench_out] [--tokens 24] [--layers 16]
+
+On one generated read-bound model (float32 Llama: decoding a token reads each
+block once and computes little), each configuration in its own process:
+
+  mlx-lm          mlx_lm.stream_generate, fully resident (compute reference)
+  pager 100..25%  mlx-pager generate with a page budget of 100/50/25% of the
+                  paged weights (plus the fixed part): MIN on the cyclic block
+                  order, conservative readahead
+  aggr 50, 25%    the same with aggressive readahead (more reads, more overlap)
+  naive           layer streaming through the same code: a one-page budget,
+                  no readahead, every block read when used
+  bound           max(MIN bytes per token / R, resident decode time), R the
+                  pager's own whole-page direct reads (its threads and chunk
+                  size) on the same files, measured before and after the runs
+                  (the best of them, plus dd iflag=direct for reference)
+
+Prints decode tokens/s, seconds and bytes read per token, the ratios to MIN's
+bytes, to the bound and to naive streaming, and prefill tokens/s; writes
+results.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = ("The pager keeps the frozen weights on the SSD and reads each block when the "
+          "forward pass needs it, while the adapters stay resident. ") * 6
+
+
+def vm_hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def worker(cfg: dict) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    if cfg["kind"] == "mlx-lm":
+        model, tok = mlx_lm.load(cfg["model"])
+        t0, first, n = time.perf_counter(), None, 0
+        for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=cfg["tokens"]):
+            if first is None:
+                first = time.perf_counter()
+            n += 1
+        dt = time.perf_counter() - first
+        return {"decode_s_per_token": dt / max(1, n - 1), "prefill_tps": r.prompt_tps,
+                "peak_rss": vm_hwm(), "decode_bytes_per_token": 0}
+    from mlx_pager.generate import load_paged, measure_read_rate
+
+    if cfg["kind"] == "read":
+        paged, _ = load_paged(cfg["model"], ssd_cache_dir=cfg["cache"], page_budget=cfg["page_budget"],
+                              readahead=0)
+        rate = max(measure_read_rate(paged.weights, max_bytes=1 << 40) for _ in range(2))
+        return {"read_rate": rate}
+    paged, tok = load_paged(cfg["model"], ssd_cache_dir=cfg["cache"], page_budget=cfg["page_budget"],
+                            readahead=cfg.get("readahead"), readahead_mode=cfg.get("mode", "conservative"))
+    mx.random.seed(0)
+    for r in mlx_lm.stream_generate(paged, tok, PROMPT, max_tokens=cfg["tokens"],
+                                    prefill_step_size=paged.prefill_chunk):
+        pass
+    s = paged.summary(skip=2)
+    s["prefill_tps"] = r.prompt_tps
+    s["peak_rss"] = vm_hwm()
+    return s
+
+
+def run_worker(cfg: dict) -> dict:
+    env = dict(os.environ)
+    from mlx_pager.blas import openblas_path
+
+    lib = openblas_path()
+    if lib and lib not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = lib
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
+                         capture_output=True, text=True, env=env)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"worker {cfg} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+
+
+def dd_rate(files) -> float:
+    total, t = 0, time.perf_counter()
+    for f in files:
+        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
+        total += f.stat().st_size
+    return total / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden-size", type=int, default=1024)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(worker(json.loads(a.worker))), flush=True)
+        return
+
+    from mlx_pager import modelgen
+    from mlx_pager.budget import format_size
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = modelgen.ModelSpec(arch="llama", hidden_size=a.hidden_size, num_hidden_layers=a.layers,
+                              intermediate_size=4 * a.hidden_size, num_attention_heads=a.hidden_size // 64,
+                              num_key_value_heads=max(1, a.hidden_size // 256), vocab_size=1024,
+                              dtype="float32", bits=None, seed=0)
+    model = modelgen.generate_model(out / f"model-{spec.key()}", spec)
+    files = sorted(model.glob("model*.safetensors"))
+    from mlx_pager.generate import load_paged
+
+    probe, _ = load_paged(str(model), ssd_cache_dir=str(out / "cache"), page_budget=1 << 40)
+    pages = [probe.weights.page_bytes(i) + 4096 for i in range(probe.weights.num_blocks)]
+    paged_bytes = probe.weights.paged_bytes
+    del probe
+    base = dict(model=str(model), cache=str(out / "cache"), tokens=a.tokens)
+    print(f"model: {a.layers} blocks x {format_size(max(pages))}, {format_size(paged_bytes)} paged; "
+          f"{a.tokens} tokens after a {len(PROMPT.split())}-word prompt")
+
+    reads = [run_worker(dict(base, kind="read", page_budget=max(pages)))["read_rate"]]
+    dd = [dd_rate(files)]
+    configs = [("mlx-lm", dict(kind="mlx-lm"))]
+    for frac in (1.0, 0.5, 0.25):
+        configs.append((f"pager {int(frac * 100)}%", dict(kind="pager", page_budget=int(frac * sum(pages)) + 4096)))
+    for frac in (0.5, 0.25):
+        configs.append((f"aggr {int(frac * 100)}%", dict(kind="pager", page_budget=int(frac * sum(pages)) + 4096,
+                                                       mode="aggressive")))
+    configs.append(("naive", dict(kind="pager", page_budget=max(pages), readahead=0)))
+    results = {}
+    for name, cfg in configs:
+        t = time.perf_counter()
+        results[name] = run_worker(dict(base, **cfg))
+        print(f"  ran {name} ({time.perf_counter() - t:.0f}s)", flush=True)
+    reads.append(run_worker(dict(base, kind="read", page_budget=max(pages)))["read_rate"])
+    dd.append(dd_rate(files))
+    R = max(reads)
+    compute = results["mlx-lm"]["decode_s_per_token"]
+    naive = results["naive"]["decode_s_per_token"]
+    print(f"\nR (pager whole-page direct reads, best of before/after): {format_size(R)}/s "
+          f"[{', '.join(format_size(r) for r in reads)}]; dd iflag=direct: "
+          f"{', '.join(format_size(r) for r in dd)}/s; resident decode {compute:.4f} s/token\n")
+    hdr = ("| config | decode tok/s | s/token | MB read/token | vs MIN | bound s/token | vs bound | "
+           "vs naive | prefill tok/s | peak RSS |")
+    print(hdr)
+    print("|" + "---|" * 10)
+    rows = []
+    for name, _ in configs:
+        r = results[name]
+        s = r["decode_s_per_token"]
+        if name == "mlx-lm":
+            print(f"| {name} | {1 / s:.2f} | {s:.4f} | 0 | | | | {naive / s:.2f} | {r['prefill_tps']:.1f} | "
+                  f"{format_size(r['peak_rss'])} |")
+            continue
+        mn = r["min_bytes_per_token"]
+        bound = max(mn / R, compute)
+        vs_min = r["decode_bytes_per_token"] / mn if mn else (1.0 if r["decode_bytes_per_token"] == 0 else float("inf"))
+        row = dict(name=name, **r, bound_s_per_token=bound, vs_bound=s / bound, vs_naive=naive / s, vs_min=vs_min)
+        rows.append(row)
+        print(f"| {name} | {1 / s:.2f} | {s:.4f} | {r['decode_bytes_per_token'] / 1e6:.1f} | {vs_min:.2f} | "
+              f"{bound:.4f} | {s / bound:.2f} | {naive / s:.2f} | {r['prefill_tps']:.1f} | "
+              f"{format_size(r['peak_rss'])} |")
+    (out / "results.json").write_text(json.dumps(dict(read_rates=reads, dd_rates=dd, results=results,
+                                                       rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
