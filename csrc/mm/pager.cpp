@@ -170,6 +170,16 @@ std::uint64_t Pager::set_budget(std::uint64_t bytes) {
   return old;
 }
 
+int Pager::set_readahead(int pages) {
+  int old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::exchange(readahead_pages_, std::max(0, pages));
+  }
+  readahead();
+  return old;
+}
+
 std::uint64_t Pager::budget() const {
   std::lock_guard<std::mutex> lock(mu_);
   return budget_;

@@ -130,6 +130,8 @@ class Pager {
   // Returns the previous budget (MLX style). Lowering the budget evicts down
   // to it where possible.
   std::uint64_t set_budget(std::uint64_t bytes);
+  // Pages read ahead of the schedule (0: off); returns the previous value.
+  int set_readahead(int pages);
   std::uint64_t budget() const;
 
   // ---- counters ----

@@ -151,6 +151,9 @@ void init_pager(nb::module_& m) {
       .def(
           "set_budget", [](TensorPager& tp, std::uint64_t b) { return tp.pager().set_budget(b); },
           "bytes"_a)
+      .def(
+          "set_readahead", [](TensorPager& tp, int n) { return tp.pager().set_readahead(n); },
+          "pages"_a, "Pages read ahead of the schedule (0: off); returns the previous value.")
       .def_prop_ro("budget", [](const TensorPager& tp) { return tp.pager().budget(); })
       .def(
           "lookup",

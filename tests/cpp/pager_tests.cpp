@@ -505,3 +505,9 @@ TEST_CASE("pager: lowering the budget evicts down to it") {
   CHECK_EQ(p.set_budget(2 * kPage), 4 * kPage);
   CHECK(p.stats().resident_bytes_now <= 2 * kPage);
 }
+
+TEST_CASE("pager: set_readahead returns the previous value and clamps at 0") {
+  Pager p(config(2, Policy::lru, 3), std::make_shared<HeapFrameAllocator>());
+  CHECK_EQ(p.set_readahead(-1), 3);
+  CHECK_EQ(p.set_readahead(2), 0);
+}
