@@ -50,6 +50,10 @@ def _lora_parser() -> argparse.ArgumentParser:
                         "more to overlap reads with compute when the budget is small.")
     g.add_argument("--io-threads", type=int, default=None, help="I/O threads (default 4).")
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
+    g.add_argument("--resume", action="store_true", default=None,
+                   help="Continue exactly where the last run in --adapter-path stopped (its resume_state."
+                        "safetensors: adapters, optimizer state, schedule and data position), e.g. after "
+                        "Ctrl-C, a kill or a crash, or with a larger --iters.")
     return parser
 
 
@@ -57,6 +61,7 @@ def lora_main(argv) -> int:
     import yaml
     from mlx_lm.lora import yaml_loader
 
+    from .interrupt import Interrupted
     from .trainer import DEFAULTS, run
 
     parser = _lora_parser()
@@ -81,7 +86,11 @@ def lora_main(argv) -> int:
         parser.error("must provide at least one of --train or --test")
     try:
         run(types.SimpleNamespace(**args))
-    except (BudgetError, FileNotFoundError, ValueError, ImportError) as e:
+    except Interrupted as e:
+        print(f"mlx-pager: {e}", file=sys.stderr)
+        return e.exit_code
+    except (BudgetError, OSError, ValueError, ImportError) as e:
+        # OSError: a file or directory the run cannot read or write (named);
         # ImportError: --report-to names a logger that is not installed
         # (mlx-lm's own message, which says what to install).
         print(f"mlx-pager: {e}", file=sys.stderr)

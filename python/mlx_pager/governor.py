@@ -55,6 +55,17 @@ def return_freed_memory_to_os(threshold: int = 256 << 10) -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
 
 
+def release_heap() -> None:
+    """Gives freed memory back to the OS: MLX's buffer cache, and on glibc
+    the free heap (malloc_trim), e.g. after a swap file was written."""
+    mx.clear_cache()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc
+
+
 @dataclass
 class Governor:
     plan: MemoryPlan

@@ -22,13 +22,13 @@ import mlx.core as mx
 from mlx.nn.utils import average_gradients
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import step
+from . import files, interrupt, resume, step
 from .callbacks import PagerCallback
 from .governor import process_rss
 from .session import Session
 
 
-def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=None) -> float:
+def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=None, on_block=None) -> float:
     """mlx-lm's evaluate(): the token-weighted mean loss over `num_batches`
     batches (-1: all), with the blocks paged once for a group of batches."""
     from mlx_lm.tuner.trainer import iterate_batches
@@ -49,10 +49,12 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     # for training's grad_accumulation_steps micro-batches.
     group = max(8, args.grad_accumulation_steps)
 
-    def on_block(phase, i):
+    def check_block(phase, i):
+        interrupt.check()
         s.gov.check()
         cb.on_block(s.weights, phase, i)
 
+    on_block = on_block or check_block
     for g in range(0, len(batches), group):
         for loss, toks in step.paged_loss(model, s.weights, batches[g:g + group], args.head_chunk_bytes,
                                           on_block=on_block, blocks=s.blocks):
@@ -70,16 +72,17 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
 
 
 def save_adapters(model, adapter_file: Path, iteration: Optional[int], cb: PagerCallback):
-    """Writes the adapters (and, for a checkpoint, NNNNNNN_adapters.safetensors);
-    with several ranks, rank 0 writes them (the ranks' adapters are equal)."""
+    """Writes the adapters (and, for a checkpoint, NNNNNNN_adapters.safetensors),
+    atomically (files.py); with several ranks, rank 0 writes them (the
+    ranks' adapters are equal)."""
     if mx.distributed.init().rank() != 0:
         return
     weights = dict(tree_flatten(model.trainable_parameters()))
-    mx.save_safetensors(str(adapter_file), weights)
+    files.save_safetensors(adapter_file, weights)
     path = adapter_file
     if iteration is not None:
         path = adapter_file.parent / f"{iteration:07d}_adapters.safetensors"
-        mx.save_safetensors(str(path), weights)
+        files.save_safetensors(path, weights)
     cb.on_save(path, iteration)
 
 
@@ -107,6 +110,15 @@ class _Reports:
         self.steps += 1
         self.time += seconds
 
+    def state(self) -> dict:
+        return {"losses": float(mx.array(self.losses).item()), "tokens": self.tokens, "steps": self.steps,
+                "time": self.time, "trained_tokens": self.trained_tokens}
+
+    def restore(self, st: dict):
+        self.losses = mx.array(st["losses"], dtype=mx.float32) if st["steps"] else 0
+        self.tokens, self.steps, self.time, self.trained_tokens = (
+            st["tokens"], st["steps"], st["time"], st["trained_tokens"])
+
     def take(self, it: int, args, optimizer, s: Session, pager_since: dict) -> dict:
         # Over all ranks, as mlx-lm sums them (this rank's pager figures).
         world = mx.distributed.init().size()
@@ -130,23 +142,49 @@ class _Reports:
         return info
 
 
-def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: PagerCallback, result) -> None:
+def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: PagerCallback, result,
+          resumed: Optional[dict] = None) -> None:
     """Trains for args.iters iterations; reports, validates and saves at
-    mlx-lm's iterations (see the module docstring)."""
+    mlx-lm's iterations (see the module docstring). `resumed`: the metadata
+    of a resume state already loaded into the model and optimizer
+    (resume.py); training goes on from the iteration after it.
+
+    Every checkpoint also writes the resume state of the last finished
+    optimizer step; a SIGINT/SIGTERM (interrupt.py) stops at the next block
+    boundary with the adapters and the resume state of that step saved."""
     from mlx_lm.tuner.trainer import iterate_batches
 
     args, model, weights, gov = s.args, s.model, s.weights, s.gov
     k = args.grad_accumulation_steps
     model.train()
+    world = mx.distributed.init()
     # With several ranks (mlx.launch), each takes its share of every batch.
     batches = iterate_batches(dataset=train_set, batch_size=args.batch_size,
-                              max_seq_length=args.max_seq_length, loop=True, comm_group=mx.distributed.init())
+                              max_seq_length=args.max_seq_length, loop=True, comm_group=world)
     reports = _Reports()
     pager = weights.pager
-    since_report = pager.stats()
     names = [n for n, _ in tree_flatten(model.trainable_parameters())]
 
+    def is_val_point(j: int) -> bool:
+        return val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == args.iters)
+
+    it = 0
+    if resumed is not None:
+        # Replay the draws from NumPy's generator up to the iteration reached:
+        # each batch, and the first batch of each validation pass.
+        it = min(resumed["iteration"], args.iters)
+        for j in range(1, it + 1):
+            next(batches)
+            if is_val_point(j):
+                next(iterate_batches(dataset=val_set, batch_size=args.batch_size,
+                                     max_seq_length=args.max_seq_length, comm_group=world))
+        reports.restore(resumed["reports"])
+        cb.on_message(f"Resuming after iteration {it} from {Path(args.adapter_path) / resume.STATE_FILE}")
+    done = it  # the last iteration whose optimizer step is finished
+    since_report = pager.stats()
+
     def on_block(phase, i):
+        interrupt.check()
         gov.check()
         cb.on_block(weights, phase, i)
 
@@ -158,75 +196,91 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
             total = min(total, args.val_batches)
         tic = time.perf_counter()
         with cb.val_progress(total) as advance:
-            val_loss = evaluate(s, val_set, args.val_batches, cb, advance)
+            val_loss = evaluate(s, val_set, args.val_batches, cb, advance, on_block)
         val_time = time.perf_counter() - tic
         result.val_losses.append(val_loss)
         cb.on_val_loss_report({"iteration": j - 1, "val_loss": val_loss, "val_time": val_time})
 
+    def save_state(at: int):
+        if world.rank() == 0:
+            resume.save(Path(args.adapter_path), model, optimizer, at, args, reports.state())
+
     cb.progress_start(args.iters)
-    it = 0
-    while it < args.iters:
-        its = list(range(it + 1, min(it + k, args.iters) + 1))
-        it = its[-1]
-        group = []
-        for j in its:
-            # Batch j is drawn, then validation runs, in mlx-lm's order: both
-            # draw from NumPy's global generator (batch order, validation
-            # batches), so the order of the draws decides every later batch.
-            group.append(next(batches))
-            if val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == args.iters):
-                validate(j)
+    cb.progress_advance(it)
+    try:
+        while it < args.iters:
+            its = list(range(it + 1, min(it + k, args.iters) + 1))
+            it = its[-1]
+            group = []
+            for j in its:
+                # Batch j is drawn, then validation runs, in mlx-lm's order: both
+                # draw from NumPy's global generator (batch order, validation
+                # batches), so the order of the draws decides every later batch.
+                group.append(next(batches))
+                if is_val_point(j):
+                    validate(j)
 
-        before = pager.stats()
-        mx.reset_peak_memory()
-        tic = time.perf_counter()
-        mbs = [step.MicroBatch.from_batch(*b) for b in group]
-        step_losses, step_toks, grads = step.paged_value_and_grad(
-            model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
-        )
-        losses = [x.item() for x in step_losses]
-        toks = [int(t.item()) for t in step_toks]
-        update = len(group) == k  # a partial last group updates nothing, as in mlx-lm
-        # Checkpoints inside the group hold the weights before its update.
-        early = [j for j in its if j % args.save_every == 0 and (j != its[-1] or not update)]
-        for j in early:
-            save_adapters(model, adapter_file, j, cb)
-        if update:
-            # Once per optimizer step, as mlx-lm: averaged over the ranks
-            # (a no-op for one), then over the micro-batches.
-            tree = average_gradients(tree_unflatten([(n, grads[n]) for n in names]))
-            if k > 1:
-                tree = tree_map(lambda g: g / k, tree)
-            optimizer.update(model, tree)
-            mx.eval(model.trainable_parameters(), optimizer.state)
-        _clear_cache(args.clear_cache_threshold)
-        elapsed = time.perf_counter() - tic
-        after = pager.stats()
-        rec = {
-            "type": "step", "iteration": it, "loss": sum(losses) / len(group), "tokens": sum(toks),
-            "step_s": elapsed,
-            "io_wait_s": after["io_wait_s"] - before["io_wait_s"],
-            "bytes_read": after["bytes_read"] - before["bytes_read"],
-            "pages_read": after["pages_read"] - before["pages_read"],
-            "faults": after["faults"] - before["faults"],
-            "readahead_hits": after["readahead_hits"] - before["readahead_hits"],
-            "acquires": after["acquires"] - before["acquires"],
-            "peak_resident_bytes": after["peak_resident_bytes"],
-            "mlx_peak_bytes": mx.get_peak_memory(),
-            "rss_bytes": process_rss(),
-            "peak_rss_bytes": gov.peak_rss,
-        }
-        result.steps.append(rec)
-        cb.on_step(rec)
-        cb.progress_advance(len(group))
+            before = pager.stats()
+            mx.reset_peak_memory()
+            tic = time.perf_counter()
+            mbs = [step.MicroBatch.from_batch(*b) for b in group]
+            step_losses, step_toks, grads = step.paged_value_and_grad(
+                model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+            )
+            losses = [x.item() for x in step_losses]
+            toks = [int(t.item()) for t in step_toks]
+            update = len(group) == k  # a partial last group updates nothing, as in mlx-lm
+            # Checkpoints inside the group hold the weights before its update.
+            early = [j for j in its if j % args.save_every == 0 and (j != its[-1] or not update)]
+            for j in early:
+                save_adapters(model, adapter_file, j, cb)
+            if update:
+                # Once per optimizer step, as mlx-lm: averaged over the ranks
+                # (a no-op for one), then over the micro-batches.
+                tree = average_gradients(tree_unflatten([(n, grads[n]) for n in names]))
+                if k > 1:
+                    tree = tree_map(lambda g: g / k, tree)
+                optimizer.update(model, tree)
+                mx.eval(model.trainable_parameters(), optimizer.state)
+            _clear_cache(args.clear_cache_threshold)
+            elapsed = time.perf_counter() - tic
+            after = pager.stats()
+            rec = {
+                "type": "step", "iteration": it, "loss": sum(losses) / len(group), "tokens": sum(toks),
+                "step_s": elapsed,
+                "io_wait_s": after["io_wait_s"] - before["io_wait_s"],
+                "bytes_read": after["bytes_read"] - before["bytes_read"],
+                "pages_read": after["pages_read"] - before["pages_read"],
+                "faults": after["faults"] - before["faults"],
+                "readahead_hits": after["readahead_hits"] - before["readahead_hits"],
+                "acquires": after["acquires"] - before["acquires"],
+                "peak_resident_bytes": after["peak_resident_bytes"],
+                "mlx_peak_bytes": mx.get_peak_memory(),
+                "rss_bytes": process_rss(),
+                "peak_rss_bytes": gov.peak_rss,
+            }
+            result.steps.append(rec)
+            cb.on_step(rec)
+            cb.progress_advance(len(group))
 
-        for j, loss, ntok in zip(its, step_losses, toks):
-            reports.add(loss, ntok, elapsed / len(group))
-            if j % args.steps_per_report == 0 or j == args.iters:
-                info = reports.take(j, args, optimizer, s, since_report)
-                since_report = pager.stats()
-                result.train_losses.append(info["train_loss"])
-                cb.on_train_loss_report(info)
-        if update and it % args.save_every == 0:
-            save_adapters(model, adapter_file, it, cb)
+            for j, loss, ntok in zip(its, step_losses, toks):
+                reports.add(loss, ntok, elapsed / len(group))
+                if j % args.steps_per_report == 0 or j == args.iters:
+                    info = reports.take(j, args, optimizer, s, since_report)
+                    since_report = pager.stats()
+                    result.train_losses.append(info["train_loss"])
+                    cb.on_train_loss_report(info)
+            if update:
+                done = it
+                if it % args.save_every == 0:
+                    save_adapters(model, adapter_file, it, cb)
+                if any(j % args.save_every == 0 for j in its):
+                    save_state(it)
+    except interrupt.Interrupted as e:
+        # The model holds the weights of the last finished optimizer step.
+        save_adapters(model, adapter_file, None, cb)
+        save_state(done)
+        raise interrupt.Interrupted(e.signum, f"the adapters and resume state of iteration {done} are saved in "
+                                              f"{Path(args.adapter_path)}; continue with --resume") from None
     save_adapters(model, adapter_file, None, cb)
+    save_state(done)

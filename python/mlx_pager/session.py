@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from . import step
 from .budget import BudgetError, MemoryPlan, estimate_activations, format_size, parse_size
-from .governor import Governor, process_rss
+from .governor import Governor, process_rss, release_heap
 from .store import PagedWeights
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -163,6 +163,10 @@ def open_session(
     from ._core import IO_ALIGN
 
     model.freeze()
+    # The process's baseline, measured before a swap file may be written:
+    # writing one leaves heap behind (given back below), and the budget's
+    # minimum must not depend on whether this run wrote it.
+    baseline = process_rss()
     weights = PagedWeights(
         model, model_path,
         budget_bytes=1 << 62,  # set by the governor below
@@ -171,6 +175,7 @@ def open_session(
                            direct_io=args.direct_io, readahead_mode=args.readahead_mode),
         progress=prep_progress,
     )
+    release_heap()
     attach_adapters()
     first = step.first_trained_block(model)
 
@@ -192,7 +197,7 @@ def open_session(
     trained = len(model.layers) - first if training else 0
     plan = MemoryPlan(
         budget=plan_budget,
-        baseline=process_rss(),
+        baseline=baseline,
         resident=weights.resident_bytes + IO_ALIGN,
         trainable=trainable_state_bytes(model, args.optimizer.lower(), training),
         activations=estimate_activations(

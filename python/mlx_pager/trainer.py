@@ -30,7 +30,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import blas, loop
+from . import blas, checks, files, interrupt, loop, resume
 from .budget import BudgetError, MemoryPlan
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
 from .governor import return_freed_memory_to_os
@@ -80,6 +80,8 @@ DEFAULTS = {
     "head_chunk_bytes": 64 << 20,
     "report": None,
     "quiet": False,
+    # Continue from adapter_path's resume state (resume.py).
+    "resume": False,
     # Benchmarks: a page budget in bytes; the memory budget is then the
     # plan's fixed part plus this (memory_budget is ignored).
     "page_budget": None,
@@ -175,23 +177,6 @@ def _check_names(options: dict):
         raise TypeError(f"unknown PagedTrainer options: {sorted(unknown)}; known: {sorted(DEFAULTS)}")
 
 
-def check_args(args) -> None:
-    """What can be refused before anything is loaded."""
-    if args.fine_tune_type not in ("lora", "dora"):
-        raise ValueError(
-            f"--fine-tune-type {args.fine_tune_type} is not supported by mlx-pager: "
-            "full fine-tuning trains the weights it pages; use lora or dora"
-        )
-    if args.grad_accumulation_steps < 1:
-        raise ValueError("grad_accumulation_steps must be at least 1")
-    if args.model is None:
-        raise ValueError("no --model given: pass a local mlx-lm model directory or a hub id")
-    if args.data is None:
-        raise ValueError("no --data given: pass a directory with train.jsonl and valid.jsonl")
-    if not args.train and not args.test:
-        raise ValueError("Must provide at least one of --train or --test")
-
-
 def build_optimizer(args):
     from mlx_lm.tuner.utils import build_schedule
 
@@ -243,10 +228,8 @@ def run(args, training_callback: Optional[PagerCallback] = None) -> TrainResult:
     """mlx_lm.lora's run(): loads the model and data named in `args`
     (mlx_lm.lora's arguments plus mlx-pager's), trains and/or tests under
     the memory budget, saves adapters; returns what happened."""
-    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
-
     args = types.SimpleNamespace(**vars(args))  # the caller's stays as given
-    check_args(args)
+    checks.check_args(args)
     blas.warn_once()
     return_freed_memory_to_os()  # before the first large allocation
     np.random.seed(args.seed)
@@ -256,37 +239,45 @@ def run(args, training_callback: Optional[PagerCallback] = None) -> TrainResult:
         args.ssd_cache_dir = str(Path(args.ssd_cache_dir) / f"rank{world.rank()}")
     cb = _callbacks(args, training_callback)
     result = TrainResult()
-    try:
-        cb.on_message(f"Loading model {args.model} (lazily: weights stay on disk)")
-        model, tokenizer, config, model_path = load_lazy(args)
-        cb.on_message("Loading datasets")
-        train_set, valid_set, test_set = load_dataset(args, tokenizer)
-        train_cached = CacheDataset(train_set) if args.train else None
-        valid_cached = CacheDataset(valid_set) if args.train and len(valid_set) else None
-        test_cached = CacheDataset(test_set) if args.test and len(test_set) else None
-        if args.train and args.num_layers > len(model.layers):
-            raise ValueError(
-                f"Requested to train {args.num_layers} layers but the model only has {len(model.layers)} layers."
-            )
-        session = open_session(
-            args, model, config, model_path, [train_cached, valid_cached, test_cached],
-            attach_adapters=lambda: _attach_adapters(args, model, cb), training=args.train,
-            say=cb.on_message, prep_progress=_prep_progress(cb, args.quiet),
-        )
-        result.plan = session.plan
-        result.page_footprints = session.page_footprints
+    with interrupt.stop_on_signals():
         try:
-            if args.train:
-                result.adapter_file = train_model(args, session, train_cached, valid_cached, cb, result)
-            if test_cached is not None:
-                result.test_loss = evaluate_model(args, session, test_cached, cb)
+            _run(args, cb, result)
         finally:
-            result.peak_rss = session.gov.peak_rss
-            result.pager_stats = session.weights.pager.stats()
-            result.governor_events = session.gov.events
-    finally:
-        cb.close()
+            cb.close()
     return result
+
+
+def _run(args, cb: PagerCallback, result: TrainResult) -> None:
+    """Loads, pages, then trains and/or tests (run()'s body)."""
+    from mlx_lm.tuner.datasets import CacheDataset, load_dataset
+
+    cb.on_message(f"Loading model {args.model} (lazily: weights stay on disk)")
+    model, tokenizer, config, model_path = load_lazy(args)
+    cb.on_message("Loading datasets")
+    train_set, valid_set, test_set = load_dataset(args, tokenizer)
+    train_cached = CacheDataset(train_set) if args.train else None
+    valid_cached = CacheDataset(valid_set) if args.train and len(valid_set) else None
+    test_cached = CacheDataset(test_set) if args.test and len(test_set) else None
+    if args.train and args.num_layers > len(model.layers):
+        raise ValueError(
+            f"Requested to train {args.num_layers} layers but the model only has {len(model.layers)} layers."
+        )
+    session = open_session(
+        args, model, config, model_path, [train_cached, valid_cached, test_cached],
+        attach_adapters=lambda: _attach_adapters(args, model, cb), training=args.train,
+        say=cb.on_message, prep_progress=_prep_progress(cb, args.quiet),
+    )
+    result.plan = session.plan
+    result.page_footprints = session.page_footprints
+    try:
+        if args.train:
+            result.adapter_file = train_model(args, session, train_cached, valid_cached, cb, result)
+        if test_cached is not None:
+            result.test_loss = evaluate_model(args, session, test_cached, cb)
+    finally:
+        result.peak_rss = session.gov.peak_rss
+        result.pager_stats = session.weights.pager.stats()
+        result.governor_events = session.gov.events
 
 
 def _attach_adapters(args, model, cb: PagerCallback):
@@ -318,6 +309,7 @@ def _prep_progress(cb: PagerCallback, quiet: bool):
 
     def progress(done, total):
         nonlocal bar
+        interrupt.check()  # Ctrl-C while the swap file is written
         if bar is None:
             from tqdm import tqdm
 
@@ -346,10 +338,11 @@ def train_model(args, s, train_set, valid_set, cb: PagerCallback, result: TrainR
     adapter_file = adapter_path / "adapters.safetensors"
     config = {k: v for k, v in vars(args).items() if k not in ("quiet",)}
     if mx.distributed.init().rank() == 0:
-        save_config(config, adapter_path / "adapter_config.json")
+        files.atomic_write(adapter_path / "adapter_config.json", lambda tmp: save_config(config, tmp))
     optimizer = build_optimizer(args)
+    resumed = resume.load(adapter_path, s.model, optimizer, args) if args.resume else None
     try:
-        loop.train(s, optimizer, train_set, valid_set, adapter_file, cb, result)
+        loop.train(s, optimizer, train_set, valid_set, adapter_file, cb, result, resumed)
     except BudgetError as e:
         # Out of memory mid-run: keep what was trained, then say what is needed.
         loop.save_adapters(s.model, adapter_file, None, cb)

@@ -122,13 +122,15 @@ def test_resume_continues_from_saved_adapters(models, tmp_path):
 
 
 @pytest.mark.parametrize("budget", ["12 GB", "12gb", "0", "-1", "lots"])
-def test_bad_budget_is_a_clear_error_naming_the_minimum(models, budget, tmp_path):
-    t = PagedTrainer(str(models("llama", 4)), memory_budget=budget, ssd_cache_dir=str(tmp_path), quiet=True)
+def test_bad_budget_is_refused_before_anything_heavy(models, budget, tmp_path):
+    t = PagedTrainer(str(models("llama", 4)), memory_budget=budget, ssd_cache_dir=str(tmp_path / "c"), quiet=True,
+                     store="swap")
     with pytest.raises(BudgetError) as e:
         t.lora(SAMPLE, iters=1, num_layers=2, adapter_path=str(tmp_path / "a"))
     msg = str(e.value)
-    assert budget in msg and "at least" in msg
+    assert budget in msg and "--memory-budget" in msg and ("12GB" in msg or "must" in msg or "write" in msg)
     assert not (tmp_path / "a" / "adapters.safetensors").exists()
+    assert not (tmp_path / "c").exists()  # refused before the swap file was written
 
 
 def test_cli_budget_too_small_exits_with_the_minimum(models, tmp_path):
@@ -167,7 +169,9 @@ def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
     steps = [l for l in lines if l["type"] == "step"]
     blocks = [l for l in lines if l["type"] == "block"]
     assert len(steps) == 2 and all("bytes_read" in s and "io_wait_s" in s for s in steps)
-    assert len(blocks) == 2 * (4 + 1)  # 4 blocks forward, 1 trained block backward
+    train_blocks = [b for b in blocks if b["phase"] in ("forward", "backward")]
+    assert len(train_blocks) == 2 * (4 + 1)  # 4 blocks forward, 1 trained block backward
+    assert {b["phase"] for b in blocks} == {"forward", "backward", "eval"}  # validation is traced too
     png = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "r.jsonl"),
                           "--budget", "1GB"], capture_output=True, text=True, timeout=300)
     assert png.returncode == 0, png.stderr

@@ -1,0 +1,159 @@
+"""What a run can refuse before anything heavy happens (model load, data
+load, swap file preparation): every flag, the budget, the model directory
+and the data files. Each refusal is one line naming the flag or file, what is
+wrong and the fix (a ValueError, BudgetError or FileNotFoundError)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from .budget import format_size, parse_size
+
+# mlx-lm's data formats, by the keys of a record (tuner/datasets.py).
+_FORMATS = (("messages",), ("prompt", "completion"), ("text",))
+
+
+def _positive(args, name: str, allow_minus_one: bool = False):
+    v = getattr(args, name, None)
+    if v is None:
+        return
+    ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or (allow_minus_one and v == -1))
+    if not ok:
+        flag = "--" + name.replace("_", "-")
+        extra = " (or -1 for all)" if allow_minus_one else ""
+        raise ValueError(f"{flag} must be a whole number of at least 1{extra}, not {v!r}")
+
+
+def check_flags(args) -> None:
+    if args.fine_tune_type not in ("lora", "dora"):
+        raise ValueError(
+            f"--fine-tune-type {args.fine_tune_type} is not supported by mlx-pager: "
+            "full fine-tuning trains the weights it pages; use lora or dora"
+        )
+    if args.model is None:
+        raise ValueError("no --model given: pass a local mlx-lm model directory or a hub id")
+    if args.data is None:
+        raise ValueError("no --data given: pass a directory with train.jsonl and valid.jsonl")
+    if not args.train and not args.test:
+        raise ValueError("Must provide at least one of --train or --test")
+    for name in ("batch_size", "iters", "steps_per_report", "steps_per_eval", "save_every",
+                 "grad_accumulation_steps", "io_threads"):
+        _positive(args, name)
+    for name in ("num_layers", "val_batches", "test_batches"):
+        _positive(args, name, allow_minus_one=True)
+    if args.max_seq_length is not None and args.max_seq_length < 2:
+        raise ValueError(f"--max-seq-length must be at least 2 (one input and one target token), "
+                         f"not {args.max_seq_length}")
+    if args.readahead is not None and args.readahead < 0:
+        raise ValueError(f"--readahead must be 0 (off) or more blocks, not {args.readahead}")
+    if args.head_chunk_bytes is not None and args.head_chunk_bytes <= 0:
+        raise ValueError(f"head_chunk_bytes must be positive, not {args.head_chunk_bytes}")
+    if args.memory_budget is not None:
+        budget = parse_size(args.memory_budget)
+        total = _physical_memory()
+        if total and budget > total:
+            print(f"mlx-pager: warning: --memory-budget {format_size(budget)} is more than this machine's "
+                  f"{format_size(total)} of memory: the budget will not protect the process from the OS",
+                  file=sys.stderr)
+
+
+def _physical_memory() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return 0
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or model.count("/") != 1 or Path(model).suffix != ""
+
+
+def check_model(model: str) -> None:
+    p = Path(model).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise FileNotFoundError(f"--model {model} is a file: point it at an mlx-lm model directory "
+                                    "(config.json + model*.safetensors)")
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"--model {model} has no config.json: point it at an mlx-lm model directory "
+                                    "(config.json + model*.safetensors)")
+        if not any(p.glob("model*.safetensors")):
+            raise FileNotFoundError(f"--model {model} has no model*.safetensors files: point it at an mlx-lm model "
+                                    "directory (convert a Hugging Face model with mlx_lm.convert)")
+        return
+    if _looks_like_path(model):
+        raise FileNotFoundError(f"--model {model}: no such directory (a local model is a directory with config.json "
+                                "and model*.safetensors; a Hugging Face repo id is written owner/name)")
+
+
+def _records(path: Path):
+    """(line number, record) of a .jsonl file; one clear error per bad line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
+                                 "each line must be one JSON object") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path} line {n} is a JSON {type(rec).__name__}, not an object")
+            yield n, rec
+
+
+def check_jsonl(path: Path) -> int:
+    """Checks that every record of `path` has the keys of one of mlx-lm's
+    formats (that of the first record). Returns the number of records."""
+    fmt, count = None, 0
+    for n, rec in _records(path):
+        if fmt is None:
+            fmt = next((keys for keys in _FORMATS if all(k in rec for k in keys)), None)
+            if fmt is None:
+                raise ValueError(
+                    f"{path} line {n} has keys {sorted(rec)}; mlx-lm's formats are {{'text'}}, "
+                    "{'prompt', 'completion'} or {'messages'}: rename the keys"
+                )
+        missing = [k for k in fmt if k not in rec]
+        if missing:
+            raise ValueError(f"{path} line {n} lacks {missing}, which the file's first record has: "
+                             "every record of a file must have the same format")
+        count += 1
+    return count
+
+
+def check_data(args) -> None:
+    d = Path(args.data).expanduser()
+    if not d.exists():
+        if not _looks_like_path(str(args.data)) and importlib.util.find_spec("datasets") is not None:
+            return  # a Hugging Face dataset name: mlx-lm loads it
+        raise FileNotFoundError(f"--data {args.data}: no such directory (it must hold train.jsonl and valid.jsonl; "
+                                "test.jsonl for --test)")
+    if not d.is_dir():
+        raise FileNotFoundError(f"--data {args.data} is a file: pass the directory that holds train.jsonl")
+    need = (["train"] if args.train else []) + (["test"] if args.test else [])
+    for name in ["train", "valid", "test"]:
+        f = d / f"{name}.jsonl"
+        if not f.exists():
+            if name in need:
+                raise FileNotFoundError(f"--data {args.data} has no {name}.jsonl: "
+                                        f"{'--train' if name == 'train' else '--test'} needs it")
+            continue
+        n = check_jsonl(f)
+        if n == 0 and name in need:
+            raise ValueError(f"{f} has no records: write one JSON object per line")
+        if name == "train" and args.train and n < args.batch_size:
+            raise ValueError(f"{f} has {n} records, fewer than --batch-size {args.batch_size}: "
+                             "lower --batch-size or add data")
+
+
+def check_args(args) -> None:
+    """Everything refusable before a model or data is loaded."""
+    check_flags(args)
+    check_model(str(args.model))
+    check_data(args)
