@@ -57,6 +57,11 @@ nb::dict stats_dict(const VmStat& s) {
 }  // namespace
 
 void init_pager(nb::module_& m) {
+  // The pager's errors as Python classes: a page that cannot be read is an
+  // OSError (the message names page and file), a budget that cannot hold a
+  // page a MemoryError.
+  nb::exception<PageReadError>(m, "PageReadError", PyExc_OSError);
+  nb::exception<BudgetError>(m, "PagerBudgetError", PyExc_MemoryError);
   nb::class_<TensorPager>(
       m, "Pager",
       "Pages of named mx.arrays kept on SSD or in memory under a byte budget.\n"

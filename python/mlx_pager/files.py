@@ -23,6 +23,9 @@ from .budget import format_size
 class SaveError(OSError):
     """A file could not be written; the message names it, and why."""
 
+    def __str__(self):
+        return self.strerror or super().__str__()
+
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
@@ -47,6 +50,29 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
 
 
+def _remove_orphans(path: Path) -> None:
+    """Temporary files of `path` left by writers that were killed (their
+    process is gone): a kill -9 mid-write leaves one behind."""
+    for tmp in path.parent.glob(f".{path.stem}.*.tmp{path.suffix}"):
+        try:
+            pid = int(tmp.name[len(path.stem) + 2:].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # its writer is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
 def atomic_write(path, write: Callable[[str], None], expected_bytes: Optional[int] = None,
                  mode: Optional[int] = None) -> Path:
     """Writes `path` through ``write(tmp)``, atomically (module docstring).
@@ -59,6 +85,7 @@ def atomic_write(path, write: Callable[[str], None], expected_bytes: Optional[in
         if expected_bytes > free:
             raise SaveError(errno.ENOSPC, f"cannot write {path}: it needs {format_size(expected_bytes)} and the disk "
                                           f"has {format_size(free)} free; free some space or choose another directory")
+    _remove_orphans(path)
     tmp = _tmp_name(path)
     try:
         write(str(tmp))

@@ -23,6 +23,8 @@ from mlx.nn.utils import average_gradients
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import files, interrupt, resume, step
+from ._core import PageReadError
+from .budget import BudgetError
 from .callbacks import PagerCallback
 from .governor import process_rss
 from .session import Session
@@ -140,6 +142,10 @@ class _Reports:
         }
         self.losses, self.tokens, self.steps, self.time = 0, 0, 0, 0.0
         return info
+
+
+# What ends a run mid-step, after the last finished step is saved.
+STOPS = (interrupt.Interrupted, BudgetError, PageReadError)
 
 
 def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: PagerCallback, result,
@@ -276,11 +282,15 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
                     save_adapters(model, adapter_file, it, cb)
                 if any(j % args.save_every == 0 for j in its):
                     save_state(it)
-    except interrupt.Interrupted as e:
-        # The model holds the weights of the last finished optimizer step.
+    except STOPS as e:
+        # Stopped mid-step (a signal, the budget, a page that cannot be read):
+        # the model holds the weights of the last finished optimizer step.
         save_adapters(model, adapter_file, None, cb)
         save_state(done)
-        raise interrupt.Interrupted(e.signum, f"the adapters and resume state of iteration {done} are saved in "
-                                              f"{Path(args.adapter_path)}; continue with --resume") from None
+        note = (f"the adapters and resume state of iteration {done} are saved in {Path(args.adapter_path)}; "
+                "continue with --resume")
+        if isinstance(e, interrupt.Interrupted):
+            raise interrupt.Interrupted(e.signum, note) from None
+        raise type(e)(f"{e} {note[0].upper()}{note[1:]}.") from None
     save_adapters(model, adapter_file, None, cb)
     save_state(done)

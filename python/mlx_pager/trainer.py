@@ -341,12 +341,7 @@ def train_model(args, s, train_set, valid_set, cb: PagerCallback, result: TrainR
         files.atomic_write(adapter_path / "adapter_config.json", lambda tmp: save_config(config, tmp))
     optimizer = build_optimizer(args)
     resumed = resume.load(adapter_path, s.model, optimizer, args) if args.resume else None
-    try:
-        loop.train(s, optimizer, train_set, valid_set, adapter_file, cb, result, resumed)
-    except BudgetError as e:
-        # Out of memory mid-run: keep what was trained, then say what is needed.
-        loop.save_adapters(s.model, adapter_file, None, cb)
-        raise BudgetError(f"{e} The adapters trained so far are saved in {adapter_file}.") from e
+    loop.train(s, optimizer, train_set, valid_set, adapter_file, cb, result, resumed)
     cb.on_message(f"Saved final weights to {adapter_file}.")
     return adapter_file
 
