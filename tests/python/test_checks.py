@@ -1,0 +1,85 @@
+"""Every way a user can get the flags, the model or the data wrong ends in
+one line naming the problem and the fix, before anything heavy happens."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_pager.cli import lora_main
+
+from conftest import SAMPLE, write_jsonl
+
+
+def lora(capsys, *flags):
+    """Runs `mlx-pager lora` in-process; returns (exit code, stderr)."""
+    rc = lora_main([str(f) for f in flags])
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def model(models):
+    return models("llama", 4)
+
+
+def base(model, tmp_path, data=SAMPLE):
+    return ["--model", model, "--train", "--data", data, "--iters", 1, "--num-layers", 2,
+            "--adapter-path", tmp_path / "a",
+            "--ssd-cache-dir", tmp_path / "c", "--memory-budget", "2GB"]
+
+
+def one_line(err: str) -> str:
+    lines = [l for l in err.strip().splitlines() if not l.startswith("mlx-pager: warning")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([], "has no records"),
+    ([{"txt": "hello"}], "mlx-lm's formats are"),
+    ([{"text": "a"}] * 4 + ["BROKEN"] + [{"text": "b"}], "train.jsonl line 5 is not valid JSON"),
+    ([{"text": "a"}, {"prompt": "p"}], "line 2 lacks ['text']"),
+])
+def test_bad_data_files(capsys, model, tmp_path, records, expected):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "train.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    rc, err = lora(capsys, *base(model, tmp_path, d))
+    assert rc == 2 and expected in one_line(err)
+    assert str(d / "train.jsonl") in err
+
+
+def test_missing_data_dir_and_model_dir(capsys, model, tmp_path):
+    rc, err = lora(capsys, *base(model, tmp_path, tmp_path / "nodata"))
+    assert rc == 2 and "--data" in one_line(err) and "no such directory" in err
+    rc, err = lora(capsys, *base(tmp_path / "nomodel", tmp_path))
+    assert rc == 2 and "--model" in one_line(err) and "no such directory" in err
+    (tmp_path / "empty").mkdir()
+    rc, err = lora(capsys, *base(tmp_path / "empty", tmp_path))
+    assert rc == 2 and "config.json" in one_line(err)
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--batch-size", 0, "--batch-size must be a whole number of at least 1"),
+    ("--readahead", -1, "--readahead must be 0"),
+    ("--iters", 0, "--iters must be"),
+    ("--memory-budget", "abc", "invalid --memory-budget 'abc'"),
+])
+def test_bad_flags_before_anything_heavy(capsys, model, tmp_path, flag, value, expected):
+    rc, err = lora(capsys, *base(model, tmp_path), "--store", "swap", flag, value)
+    assert rc == 2 and expected in one_line(err)
+    assert not (tmp_path / "c").exists()  # no swap file written before the refusal
+
+
+def test_budget_above_physical_memory_is_warned(capsys, model, tmp_path):
+    rc, err = lora(capsys, *base(model, tmp_path), "--memory-budget", "99999TB", "--steps-per-eval", 100)
+    assert rc == 0
+    assert "more than this machine's" in err and "warning" in err
+
+
+def test_cli_errors_have_no_traceback_in_a_subprocess(model, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "lora", *map(str, base(model, tmp_path)),
+                          "--batch-size", "0"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().startswith("mlx-pager: --batch-size")
+    assert "Traceback" not in out.stderr
