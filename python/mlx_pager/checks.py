@@ -69,7 +69,7 @@ def _physical_memory() -> int:
         return 0
 
 
-def _looks_like_path(model: str) -> bool:
+def looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model.count("/") != 1 or Path(model).suffix != ""
 
 
@@ -86,7 +86,7 @@ def check_model(model: str) -> None:
             raise FileNotFoundError(f"--model {model} has no model*.safetensors files: point it at an mlx-lm model "
                                     "directory (convert a Hugging Face model with mlx_lm.convert)")
         return
-    if _looks_like_path(model):
+    if looks_like_path(model):
         raise FileNotFoundError(f"--model {model}: no such directory (a local model is a directory with config.json "
                                 "and model*.safetensors; a Hugging Face repo id is written owner/name)")
 
@@ -130,7 +130,7 @@ def check_jsonl(path: Path) -> int:
 def check_data(args) -> None:
     d = Path(args.data).expanduser()
     if not d.exists():
-        if not _looks_like_path(str(args.data)) and importlib.util.find_spec("datasets") is not None:
+        if not looks_like_path(str(args.data)) and importlib.util.find_spec("datasets") is not None:
             return  # a Hugging Face dataset name: mlx-lm loads it
         raise FileNotFoundError(f"--data {args.data}: no such directory (it must hold train.jsonl and valid.jsonl; "
                                 "test.jsonl for --test)")

@@ -56,6 +56,7 @@ from . import step as S
 from .budget import BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
+from .session import default_budget, model_path_of
 from .store import PagedWeights
 
 KV_STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many tokens
@@ -339,34 +340,12 @@ def _io_align() -> int:
 
 
 # --------------------------------------------------------------- loading --
-def _looks_like_path(s: str) -> bool:
-    return s.startswith(("/", "./", "../", "~")) or s.count("/") != 1
-
-
 def resolve_model_path(model: str) -> Path:
     """The local directory of `model`, or ModelNotFound with what to pass."""
-    p = Path(model).expanduser()
-    if p.exists():
-        if not p.is_dir() or not (p / "config.json").exists():
-            raise ModelNotFound(
-                f"--model {model} is not an mlx-lm model directory (no config.json in it): "
-                "point --model at a directory with config.json and model*.safetensors"
-            )
-        return p
-    if _looks_like_path(model):
-        raise ModelNotFound(
-            f"--model {model}: no such directory. Pass a local mlx-lm model directory "
-            "(make a test one with `mlx-pager make-model DIR`) or a Hugging Face repo id"
-        )
     try:
-        from mlx_lm.utils import _download
-
-        return Path(_download(model))
-    except Exception as e:  # offline, unknown repo, ...
-        raise ModelNotFound(
-            f"--model {model}: not a local directory, and it could not be fetched from the "
-            f"Hugging Face hub ({type(e).__name__}). Pass a local mlx-lm model directory."
-        ) from e
+        return model_path_of(model)
+    except FileNotFoundError as e:
+        raise ModelNotFound(str(e)) from None
 
 
 def _check_adapter_path(adapter_path) -> Path:
@@ -442,7 +421,7 @@ def load_paged(
     from mlx_lm.utils import load_model, load_tokenizer
 
     return_freed_memory_to_os()
-    budget = parse_size(memory_budget) if memory_budget is not None else _default_budget()
+    budget = parse_size(memory_budget) if memory_budget is not None else default_budget()
     path = resolve_model_path(str(model_path))
     if adapter_path is not None:
         adapter_path = _check_adapter_path(adapter_path)
@@ -478,8 +457,4 @@ def load_paged(
     return paged, tokenizer
 
 
-def _default_budget() -> int:
-    from .trainer import default_budget
-
-    return default_budget()
 

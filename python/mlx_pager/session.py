@@ -52,18 +52,24 @@ def default_budget() -> int:
 
 
 def model_path_of(model: str) -> Path:
-    """A local directory for `model` (downloading a hub id, as mlx-lm does)."""
+    """A local directory for `model`: the directory itself (checked by
+    checks.check_model), or a hub id downloaded as mlx-lm does. Raises
+    FileNotFoundError, one line, when neither works."""
+    from .checks import check_model
+
+    check_model(str(model))
     p = Path(model).expanduser()
     if p.exists():
-        if not (p / "config.json").exists():
-            raise FileNotFoundError(
-                f"--model {model} is a directory without config.json: point it at "
-                "an mlx-lm model directory (config.json + model*.safetensors)"
-            )
         return p
-    from mlx_lm.utils import _download
+    try:
+        from mlx_lm.utils import _download
 
-    return Path(_download(model))
+        return Path(_download(model))
+    except Exception as e:  # offline, unknown repo, ...
+        raise FileNotFoundError(
+            f"--model {model}: not a local directory, and it could not be fetched from the Hugging Face hub "
+            f"({type(e).__name__}): pass a local mlx-lm model directory"
+        ) from None
 
 
 def load_lazy(args):
