@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten
 from . import modelgen
 
 VOCAB = 512  # the local tokenizer's size (modelgen.train_tokenizer)
-LAYERS = 4
+LAYERS = 4  # blocks per model; LoRA on all of them (every kind of block is differentiated)
 DTYPES = ("bf16", "4bit")
 LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 
@@ -325,6 +325,138 @@ def derive_config(model_type: str, layers: int = LAYERS) -> dict:
             if isinstance(cfg.get(f.name), dict):
                 sub.update(cfg[f.name])  # the keys the module reads win
             cfg[f.name] = sub
+    if model_type in EXCLUDED:
+        return cfg
+    return _repair(mod, cfg, layers)
+
+
+# -------------------------------------------------------------- repairing --
+# A derived config the architecture cannot build or run is repaired from the
+# error: the fields named in the failing line of mlx-lm's module (an index
+# past a per-layer list, a pattern period longer than the stack, a key a
+# nested dict lacks, a None the module iterates over) are given, one at a
+# time, the values such fields take in mlx-lm's configs, until the tiny
+# float32 model builds and runs one forward pass, or nothing helps.
+_REPAIR_ROUNDS = 6
+
+
+def _trial(mod, cfg) -> Optional[BaseException]:
+    """None when the model builds from cfg and runs a forward pass."""
+    import copy
+
+    out = io.StringIO()
+    stage = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            args = mod.ModelArgs.from_dict(copy.deepcopy(cfg))
+            stage = 1
+            model = mod.Model(args)
+            stage = 2
+            mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])))
+        return None
+    except Exception as e:
+        e._stage = stage  # how far it got: config, model, forward pass
+        return e
+
+
+def _progress(new: Optional[BaseException], old: BaseException) -> bool:
+    """A change helps when the model gets further, or as far with another
+    error."""
+    if new is None:
+        return True
+    if new._stage != old._stage:
+        return new._stage > old._stage
+    return type(new) is not type(old) or str(new) != str(old)
+
+
+def _named_fields(e: BaseException, names: set) -> List[str]:
+    """Config fields named in the failing lines of mlx-lm's model modules."""
+    import re
+    import traceback
+
+    found = []
+    for fr in reversed(traceback.extract_tb(e.__traceback__)):
+        if "mlx_lm" not in fr.filename or not fr.line:
+            continue
+        for ident in re.findall(r"[A-Za-z_]\w*", fr.line):
+            if ident in names and ident not in found:
+                found.append(ident)
+    return found
+
+
+def _candidates(name: str, value, layers: int, kinds: List[str]) -> list:
+    """Values to try for field `name` (currently `value`)."""
+    per_layer = [[1] * layers, [i % 2 for i in range(layers)], [i % 2 == 1 for i in range(layers)],
+                 [True] * layers, [0] * layers]
+    per_layer += [[kinds[(i + s) % len(kinds)] for i in range(layers)] for s in range(len(kinds))]
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [v for v in (layers // 2, 1, layers, 0) if v != value]
+    if isinstance(value, dict):
+        return [None, {}]
+    if isinstance(value, (list, tuple)):
+        return [v for v in per_layer if v != list(value)] + [None]
+    if value is None:
+        return [{}, *per_layer, layers // 2]
+    return [None]
+
+
+def _repair(mod, cfg: dict, layers: int) -> dict:
+    import inspect
+    import re
+
+    try:
+        kinds = _literals(inspect.getsource(mod)) or ["full_attention"]
+    except (OSError, TypeError):
+        kinds = ["full_attention"]
+    names, defaults = set(), {}
+    for cls in _args_classes(mod):
+        for f in dataclasses.fields(cls):
+            names.add(f.name)
+            d = _default(f)
+            defaults.setdefault(f.name, None if d is dataclasses.MISSING else d)
+    names -= {"model_type", "vocab_size", "hidden_size", "num_hidden_layers"}
+    tried = set()
+    e = _trial(mod, cfg)
+    for _ in range(_REPAIR_ROUNDS):
+        if e is None:
+            return cfg
+        homes = [cfg] + [v for k, v in cfg.items() if k in _NESTED and isinstance(v, dict)]
+        options = []
+        listed = re.findall(r"'(\w+)'", str(e)) if "must contain" in str(e) else []
+        if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str):
+            # A key a nested config dict lacks.
+            key = e.args[0]
+            for home in homes:
+                for k, v in home.items():
+                    if isinstance(v, dict) and k not in _NESTED and key not in v:
+                        options.append((home, k, {**v, key: _key_value(key)}))
+        for field in _named_fields(e, names):
+            for home in homes:
+                if field in home or home is cfg:
+                    for v in _candidates(field, home.get(field, defaults.get(field)), layers, kinds):
+                        options.append((home, field, v))
+                    if listed:  # "... must contain keys {'type', 'factor'}"
+                        options.append((home, field, {k: _key_value(k) for k in listed}))
+        fixed = False
+        for home, k, v in options:
+            sig = (id(home), k, json.dumps(v, sort_keys=True, default=str))
+            if sig in tried:
+                continue
+            tried.add(sig)
+            old = home.get(k, dataclasses.MISSING)
+            home[k] = v
+            e2 = _trial(mod, cfg)
+            if _progress(e2, e):
+                e, fixed = e2, True  # solved, or on to the next error
+                break
+            if old is dataclasses.MISSING:
+                del home[k]
+            else:
+                home[k] = old
+        if not fixed:
+            break
     return cfg
 
 
@@ -422,11 +554,15 @@ def bitwise_mismatches(ref: Dict[str, mx.array], got: Dict[str, mx.array]) -> Li
     return bad
 
 
-def compare(path, num_layers: int = 2, store: str = "in_place", cache_dir=None, batch=None,
-            head_chunk_bytes: int = 20_000) -> List[str]:
+def compare(path, num_layers: int = LAYERS, store: str = "in_place", cache_dir=None, batch=None,
+            head_chunk_bytes: int = 20_000, compile: bool = False) -> List[str]:
     """Runs mlx-lm's step and the paged step on the same batch; returns the
     differences (empty: bitwise equal). Raises NotPageable (or ValueError)
-    when mlx-pager refuses the model."""
+    when mlx-pager refuses the model. ``compile``: the paged step's blocks
+    compiled with mx.compile (step.Blocks) or run as mlx-lm runs them; the
+    matrix runs them uncompiled, since compiling JIT-builds C++ kernels for
+    every new shape on the CPU backend (test_step.py checks the compiled
+    path bitwise on llama and qwen3)."""
     from mlx_lm.tuner.trainer import default_loss
 
     from . import step as S
@@ -442,7 +578,8 @@ def compare(path, num_layers: int = 2, store: str = "in_place", cache_dir=None, 
         raise MlxLmFails(_one_line(e)) from e
     model, w = paged(path, num_layers, store, cache_dir)
     losses, toks, pgrads = S.paged_value_and_grad(
-        model, w, [S.MicroBatch.from_batch(*batch)], head_chunk_bytes=head_chunk_bytes
+        model, w, [S.MicroBatch.from_batch(*batch)], head_chunk_bytes=head_chunk_bytes,
+        blocks=S.Blocks(model, compile=compile),
     )
     bad = []
     if not mx.array_equal(losses[0], loss, equal_nan=True).item():
@@ -478,16 +615,131 @@ def _one_line(e: BaseException) -> str:
 # Regenerate with `python -m mlx_pager.architectures --json FILE`.
 RECORDED: Dict[str, Dict[str, str]] = {
     'Klear': {'bf16': 'cannot build', '4bit': 'pass'},
-    'afm7': {'bf16': 'fail', '4bit': 'cannot build'},
+    'afm7': {'bf16': 'refused', '4bit': 'cannot build'},
     'afmoe': {'bf16': 'cannot build', '4bit': 'pass'},
     'apertus': {'bf16': 'pass', '4bit': 'pass'},
-    'baichuan_m1': {'bf16': 'fail', '4bit': 'pass'},
+    'baichuan_m1': {'bf16': 'pass', '4bit': 'pass'},
     'bailing_hybrid': {'bf16': 'cannot build', '4bit': 'pass'},
     'bailing_moe': {'bf16': 'cannot build', '4bit': 'pass'},
     'bailing_moe_linear': {'bf16': 'cannot build', '4bit': 'pass'},
     'bailing_moe_v3': {'bf16': 'cannot build', '4bit': 'pass'},
     'bitnet': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'cohere': {'bf16': 'pass'},
+    'cohere': {'bf16': 'pass', '4bit': 'pass'},
+    'cohere2': {'bf16': 'pass', '4bit': 'pass'},
+    'dbrx': {'bf16': 'pass', '4bit': 'pass'},
+    'deepseek': {'bf16': 'cannot build', '4bit': 'pass'},
+    'deepseek_v2': {'bf16': 'cannot build', '4bit': 'pass'},
+    'deepseek_v3': {'bf16': 'cannot build', '4bit': 'pass'},
+    'deepseek_v32': {'bf16': 'cannot build', '4bit': 'pass'},
+    'deepseek_v41': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'dots1': {'bf16': 'cannot build', '4bit': 'pass'},
+    'ernie4_5': {'bf16': 'pass', '4bit': 'pass'},
+    'ernie4_5_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'exaone': {'bf16': 'pass', '4bit': 'pass'},
+    'exaone4': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'exaone_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'falcon_h1': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'gear': {'bf16': 'pass', '4bit': 'pass'},
+    'gemma': {'bf16': 'pass', '4bit': 'pass'},
+    'gemma2': {'bf16': 'pass', '4bit': 'pass'},
+    'gemma3': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'gemma3_text': {'bf16': 'pass', '4bit': 'pass'},
+    'gemma3n': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'gemma4': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'gemma4_text': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'glm': {'bf16': 'pass', '4bit': 'pass'},
+    'glm4': {'bf16': 'pass', '4bit': 'pass'},
+    'glm4_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'glm4_moe_lite': {'bf16': 'cannot build', '4bit': 'pass'},
+    'glm_moe_dsa': {'bf16': 'cannot build', '4bit': 'pass'},
+    'gpt2': {'bf16': 'pass', '4bit': 'pass'},
+    'gpt_bigcode': {'bf16': 'pass', '4bit': 'pass'},
+    'gpt_neox': {'bf16': 'pass', '4bit': 'pass'},
+    'gpt_oss': {'bf16': 'cannot build', '4bit': 'pass'},
+    'gptj': {'bf16': 'pass', '4bit': 'pass'},
+    'granite': {'bf16': 'pass', '4bit': 'pass'},
+    'granitemoe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'granitemoehybrid': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'helium': {'bf16': 'pass', '4bit': 'pass'},
+    'hunyuan': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'hunyuan_v1_dense': {'bf16': 'pass', '4bit': 'pass'},
+    'internlm2': {'bf16': 'pass', '4bit': 'pass'},
+    'internlm3': {'bf16': 'pass', '4bit': 'pass'},
+    'iquestloopcoder': {'bf16': 'refused', '4bit': 'refused'},
+    'jamba': {'bf16': 'cannot build', '4bit': 'pass'},
+    'kimi_k25': {'bf16': 'cannot build', '4bit': 'pass'},
+    'kimi_k3': {'bf16': 'cannot build', '4bit': 'refused'},
+    'kimi_linear': {'bf16': 'cannot build', '4bit': 'pass'},
+    'kimi_vl': {'bf16': 'cannot build', '4bit': 'pass'},
+    'laguna': {'bf16': 'cannot build', '4bit': 'pass'},
+    'lfm2': {'bf16': 'pass', '4bit': 'pass'},
+    'lfm2-vl': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'lfm2_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'lille-130m': {'bf16': 'pass', '4bit': 'pass'},
+    'llama': {'bf16': 'pass', '4bit': 'pass'},
+    'llama4': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'llama4_text': {'bf16': 'pass', '4bit': 'pass'},
+    'longcat_flash': {'bf16': 'cannot build', '4bit': 'pass'},
+    'longcat_flash_ngram': {'bf16': 'cannot build', '4bit': 'pass'},
+    'mamba': {'bf16': 'pass', '4bit': 'pass'},
+    'mamba2': {'bf16': 'pass', '4bit': 'pass'},
+    'mellum': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'mimo': {'bf16': 'pass', '4bit': 'pass'},
+    'mimo_v2_flash': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'minicpm': {'bf16': 'pass', '4bit': 'pass'},
+    'minicpm3': {'bf16': 'pass', '4bit': 'pass'},
+    'minimax': {'bf16': 'cannot build', '4bit': 'pass'},
+    'minimax_m3_vl': {'bf16': 'cannot build', '4bit': 'pass'},
+    'ministral3': {'bf16': 'pass', '4bit': 'pass'},
+    'mistral3': {'bf16': 'pass', '4bit': 'pass'},
+    'mistral4': {'bf16': 'cannot build', '4bit': 'pass'},
+    'mixtral': {'bf16': 'cannot build', '4bit': 'pass'},
+    'muse_glimmer': {'bf16': 'pass', '4bit': 'pass'},
+    'muse_spark': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'nanbeige': {'bf16': 'pass', '4bit': 'pass'},
+    'nanochat': {'bf16': 'pass', '4bit': 'pass'},
+    'nemotron': {'bf16': 'pass', '4bit': 'pass'},
+    'nemotron-nas': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'nemotron_h': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'olmo': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'olmo2': {'bf16': 'pass', '4bit': 'pass'},
+    'olmo3': {'bf16': 'pass', '4bit': 'pass'},
+    'olmo_hybrid': {'bf16': 'pass', '4bit': 'pass'},
+    'olmoe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'openelm': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'phi': {'bf16': 'pass', '4bit': 'pass'},
+    'phi3': {'bf16': 'pass', '4bit': 'pass'},
+    'phi3small': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'phimoe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'phixtral': {'bf16': 'cannot build', '4bit': 'pass'},
+    'pixtral': {'bf16': 'pass', '4bit': 'pass'},
+    'plamo': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'plamo2': {'bf16': 'pass', '4bit': 'pass'},
+    'plamo3': {'bf16': 'pass', '4bit': 'pass'},
+    'prism_hadamard_qwen35': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'qwen': {'bf16': 'pass', '4bit': 'pass'},
+    'qwen2': {'bf16': 'pass', '4bit': 'pass'},
+    'qwen2_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'qwen2_vl': {'bf16': 'pass', '4bit': 'pass'},
+    'qwen3': {'bf16': 'pass', '4bit': 'pass'},
+    'qwen3_5': {'bf16': 'cannot build', '4bit': 'pass'},
+    'qwen3_5_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'qwen3_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'qwen3_next': {'bf16': 'cannot build', '4bit': 'pass'},
+    'qwen3_vl': {'bf16': 'pass', '4bit': 'pass'},
+    'qwen3_vl_moe': {'bf16': 'cannot build', '4bit': 'pass'},
+    'recurrent_gemma': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'rwkv7': {'bf16': 'refused', '4bit': 'refused'},
+    'seed_oss': {'bf16': 'pass', '4bit': 'cannot build'},
+    'smollm3': {'bf16': 'pass', '4bit': 'pass'},
+    'solar_open': {'bf16': 'cannot build', '4bit': 'pass'},
+    'spark2_5': {'bf16': 'cannot build', '4bit': 'cannot build'},
+    'stablelm': {'bf16': 'pass', '4bit': 'pass'},
+    'starcoder2': {'bf16': 'pass', '4bit': 'pass'},
+    'step3p5': {'bf16': 'cannot build', '4bit': 'pass'},
+    'talkie': {'bf16': 'pass', '4bit': 'pass'},
+    'telechat3': {'bf16': 'pass', '4bit': 'pass'},
+    'youtu_llm': {'bf16': 'pass', '4bit': 'pass'},
 }
 
 # Architectures whose tiny models would crash the process (so they are not
@@ -498,7 +750,7 @@ EXCLUDED = {
 }
 
 
-def check(model_type: str, dtype: str, root) -> Result:
+def check(model_type: str, dtype: str, root, compile: bool = False) -> Result:
     """Builds and checks one architecture in one dtype."""
     from .layers import NotPageable
 
@@ -519,7 +771,9 @@ def check(model_type: str, dtype: str, root) -> Result:
     except Exception as e:
         return done("cannot build", _one_line(e))
     try:
-        bad = compare(path, cache_dir=str(Path(root) / "swap"))
+        # store="auto": pages holding tensors the model's sanitize changes
+        # (not the files' bytes) go through the swap file.
+        bad = compare(path, store="auto", cache_dir=str(Path(root) / "swap"), compile=compile)
     except MlxLmFails as e:
         return done("cannot build", f"mlx-lm's own LoRA step fails: {e}")
     except NotPageable as e:
@@ -529,11 +783,11 @@ def check(model_type: str, dtype: str, root) -> Result:
     return done("fail", "; ".join(bad[:3])) if bad else done("pass")
 
 
-def run_matrix(root, archs=None, dtypes=DTYPES, log=None) -> List[Result]:
+def run_matrix(root, archs=None, dtypes=DTYPES, log=None, compile: bool = False) -> List[Result]:
     results = []
     for mt in archs or model_types():
         for dt in dtypes:
-            r = check(mt, dt, root)
+            r = check(mt, dt, root, compile)
             results.append(r)
             mx.clear_cache()
             if log:
@@ -570,13 +824,14 @@ def main(argv=None):
     p.add_argument("--arch", action="append", help="only these architectures")
     p.add_argument("--dtype", action="append", choices=DTYPES)
     p.add_argument("--root", help="where models are generated (default: a temporary folder)")
+    p.add_argument("--compile", action="store_true", help="the paged blocks compiled (step.Blocks' default)")
     a = p.parse_args(argv)
     root = a.root or tempfile.mkdtemp(prefix="mlx-pager-archs-")
 
     def log(r):
         print(f"{r.model_type:24s} {r.dtype:5s} {r.status:12s} {r.seconds:5.1f}s {r.reason}", file=sys.stderr)
 
-    results = run_matrix(root, a.arch, a.dtype or DTYPES, log)
+    results = run_matrix(root, a.arch, a.dtype or DTYPES, log, a.compile)
     if a.json:
         Path(a.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
     if a.markdown:

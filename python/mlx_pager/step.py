@@ -87,6 +87,14 @@ class _Pass:
     def __getattr__(self, name):  # e.g. layer.use_sliding, layer.is_linear
         return getattr(self._layer, name)
 
+    @property
+    def __class__(self):
+        # isinstance(stand_in, BlockClass) is what the model sees when it
+        # picks a block's mask by the block's class (olmo_hybrid:
+        # ``isinstance(layer, FullAttentionDecoderLayer)``); isinstance
+        # consults __class__ when type() does not match.
+        return type(self._layer)
+
 
 class _Record(_Pass):
     """Stands in for block `index`: records how it was called as
@@ -344,16 +352,36 @@ class Blocks:
     ops fuse; the results are the same bits). The block's weights are inputs
     of the compiled function, never constants: they are new arrays each time
     the page comes in. Blocks with active dropout run uncompiled (a compiled
-    graph would freeze the dropout key)."""
+    graph would freeze the dropout key), and so does a block that mx.compile
+    cannot trace (dbrx's router evaluates arrays inside the block): the
+    failure is remembered and the block runs as mlx-lm runs it, uncompiled,
+    from then on (``uncompiled`` lists those blocks and why)."""
 
     def __init__(self, model: nn.Module, compile: bool = True):
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
+        self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
+
+    def _compiled(self, i: int, fn, *args):
+        """fn(*args) compiled; None when the block cannot be compiled (the
+        trace failed), after which the caller runs it uncompiled."""
+        if i in self.uncompiled:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:
+            # A trace that fails (an eval or .item() inside the block, an
+            # argument compile cannot take) fails before running anything;
+            # running the block uncompiled raises any error of its own again.
+            self.uncompiled[i] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self._fwd.pop(i, None)
+            self._bwd.pop(i, None)
+            return None
 
     def forward(self, i: int, h: mx.array, call, key=None) -> mx.array:
         layer = self.model.layers[i]
         with keyed_dropout(layer, key) as dropout:
-            if dropout or not self.compile:
+            if dropout or not self.compile or i in self.uncompiled:
                 return run_block(layer, h, call)
         if i not in self._fwd:
 
@@ -364,14 +392,15 @@ class Blocks:
             self._fwd[i] = mx.compile(fwd)
         params = layer.parameters()
         try:
-            return self._fwd[i](h, params, *call)
+            out = self._compiled(i, self._fwd[i], h, params, *call)
         finally:
             layer.update(params)  # tracing left tracers in the module
+        return run_block(layer, h, call) if out is None else out
 
     def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
         layer = self.model.layers[i]
         with keyed_dropout(layer, key) as dropout:
-            if dropout or not self.compile:
+            if dropout or not self.compile or i in self.uncompiled:
                 return block_vjp(layer, h, call, cotangent)
         names = _trainable_names(layer)
         if i not in self._bwd:
@@ -384,9 +413,12 @@ class Blocks:
             self._bwd[i] = mx.compile(bwd)
         params = layer.parameters()
         try:
-            g_h, grads = self._bwd[i](h, params, cotangent, *call)
+            out = self._compiled(i, self._bwd[i], h, params, cotangent, *call)
         finally:
             layer.update(params)
+        if out is None:
+            return block_vjp(layer, h, call, cotangent)
+        g_h, grads = out
         return g_h, dict(zip(names, grads))
 
 

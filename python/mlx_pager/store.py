@@ -74,6 +74,25 @@ def _block_prefixes(model: nn.Module) -> List[str]:
     return prefixes
 
 
+def _transformed_by_sanitize(model: nn.Module, model_path: Path) -> set:
+    """Names of the tensors the model's ``sanitize`` changes on loading,
+    whatever their shape and dtype (baichuan_m1 normalizes its LM head's
+    rows in place): mlx-lm's load_model runs sanitize on the files' lazy
+    arrays, so the tensors it returns as the very arrays it was given are
+    the files' bytes, the others are not. Nothing is read: the arrays stay
+    lazy. A sanitize that fails here counts every tensor as changed."""
+    if not hasattr(model, "sanitize"):
+        return set()
+    raw = {}
+    for f in sorted(model_path.glob("model*.safetensors")):
+        raw.update(mx.load(str(f)))
+    try:
+        out = model.sanitize(dict(raw))
+    except Exception:
+        return set(raw)
+    return {k for k, v in out.items() if raw.get(k) is not v}
+
+
 def _safetensors_index(model_path: Path) -> Dict[str, Tuple[str, mx.Dtype, list, int, int]]:
     files = sorted(model_path.glob("model*.safetensors"))
     if not files:
@@ -140,9 +159,10 @@ class PagedWeights:
         groups.append((RESIDENT_PAGE, rest))
 
         index = _safetensors_index(self.model_path)
+        transformed = _transformed_by_sanitize(model, self.model_path)
 
         def stored_as_held(n):
-            if n not in index:
+            if n not in index or n in transformed:
                 return False
             _, dtype, shape, _, _ = index[n]
             return dtype == params[n].dtype and list(shape) == list(params[n].shape)

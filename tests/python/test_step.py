@@ -131,3 +131,20 @@ def test_paged_eval_loss_equals_mlx_lm(models, tmp_path):
     for (loss, toks), b in zip(got, bs):
         l, n = default_loss(ref, *b)
         assert loss.item() == l.item() and toks.item() == n.item()
+
+
+def test_a_block_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
+    """dbrx's router evaluates arrays inside the block, which mx.compile
+    refuses: step.Blocks remembers that and runs the block uncompiled, with
+    mlx-lm's results bit for bit."""
+    path = A.build("dbrx", "4bit", tmp_path)
+    batch = A.sample_batch(path)
+    ref = A.reference(path, 2)
+    (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+    mx.eval(loss, grads)
+    model, w = A.paged(path, 2, "auto", str(tmp_path / "swap"))
+    blocks = S.Blocks(model)
+    losses, _, pgrads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks)
+    assert blocks.uncompiled and all("eval" in why for why in blocks.uncompiled.values())
+    assert losses[0].item() == loss.item()
+    assert_bitwise(grads, pgrads)

@@ -65,3 +65,21 @@ def test_unbinding_twice_is_an_error(models, tmp_path):
     w.unbind(1)
     with pytest.raises(RuntimeError, match="not bound"):
         w.unbind(1)
+
+
+def test_tensors_changed_by_sanitize_are_not_read_in_place(tmp_path):
+    """baichuan_m1's sanitize normalizes its LM head's rows on loading: same
+    name, shape and dtype as in the file, other values. Reading that tensor
+    in place would train against the wrong head; it goes to the swap file,
+    and the pages hold what mlx-lm's load_model holds."""
+    from mlx_pager import architectures as A
+
+    path = A.build("baichuan_m1", "bf16", tmp_path)
+    ref = dict(tree_flatten(load_model(path)[0].parameters()))
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        PagedWeights(lazy(path), path, budget_bytes=1 << 30, store="in_place")
+    model = lazy(path)
+    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path / "swap"), store="auto")
+    assert w.store_kind[w.resident_id] == "swap" and w.store_kind[w.page_ids[0]] == "in_place"
+    w.pin_resident()
+    assert mx.array_equal(model.lm_head.weight, ref["lm_head.weight"]).item()
