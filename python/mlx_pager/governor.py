@@ -84,6 +84,11 @@ class Governor:
         mx.set_memory_limit(int(self.plan.budget))
         self.pager.set_budget(int(self.pinned_bytes + self.plan.page_budget))
 
+    @property
+    def page_budget(self) -> int:
+        """The page budget now (the plan's, less what the governor took)."""
+        return int(self.pager.budget - self.pinned_bytes)
+
     def check(self) -> None:
         """Call between blocks. Degrades when the process is near its budget."""
         rss = process_rss()

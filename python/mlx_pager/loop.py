@@ -230,9 +230,17 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
             mx.reset_peak_memory()
             tic = time.perf_counter()
             mbs = [step.MicroBatch.from_batch(*b) for b in group]
+            # No recompute where memory allows: the first step measures one
+            # block's activations, later steps run the blocks that fit as one
+            # segment (segment.py).
+            probe = {} if s.block_act_bytes is None and s.first_trained < len(model.layers) else None
             step_losses, step_toks, grads = step.paged_value_and_grad(
-                model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+                model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=s.blocks,
+                tail_start=s.tail_start, probe=probe,
             )
+            if probe:
+                s.block_act_bytes = probe["block_act_bytes"]  # the tail runs one micro-batch at a time
+            s.plan_tail(max(mb.inputs.shape[0] for mb in mbs))
             losses = [x.item() for x in step_losses]
             toks = [int(t.item()) for t in step_toks]
             update = len(group) == k  # a partial last group updates nothing, as in mlx-lm
@@ -260,6 +268,9 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
                 "faults": after["faults"] - before["faults"],
                 "readahead_hits": after["readahead_hits"] - before["readahead_hits"],
                 "acquires": after["acquires"] - before["acquires"],
+                # Integrity (pager.h): reads retried, pages that failed their
+                # checksum, pages rewritten from the model's files.
+                **{k: after[k] - before[k] for k in ("io_retries", "checksum_errors", "pages_rebuilt")},
                 "peak_resident_bytes": after["peak_resident_bytes"],
                 "mlx_peak_bytes": mx.get_peak_memory(),
                 "rss_bytes": process_rss(),

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from . import step
 from .budget import BudgetError, MemoryPlan, estimate_activations, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
+from . import swapcache
 from .store import PagedWeights
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -78,6 +79,7 @@ def load_lazy(args):
     from mlx_lm.utils import load_model, load_tokenizer
 
     model_path = model_path_of(args.model)
+    swapcache.check_model_files(model_path)  # a corrupt shard: one error naming it
     model, config = load_model(model_path, lazy=True, trust_remote_code=args.trust_remote_code)
     tokenizer = load_tokenizer(model_path, {"trust_remote_code": args.trust_remote_code},
                                eos_token_ids=config.get("eos_token_id", None))
@@ -95,12 +97,34 @@ class Session:
     blocks: step.Blocks
     first_trained: int
     page_footprints: List[int]
+    seq_len: int  # the longest padded batch the data can make
+    # Blocks tail_start..L-1 run as one no-recompute segment (segment.py);
+    # L: none. Chosen by the loop from a measured block (plan_tail).
+    tail_start: int = 0
+    block_act_bytes: Optional[int] = None
 
     def use_step_schedule(self):
         """The pager's access order: a training step (forward, then backward
-        down to the first trained block)."""
-        order = step.step_schedule(len(self.model.layers), self.first_trained)
+        down to the first trained block, or to the tail's start)."""
+        order = step.step_schedule(len(self.model.layers), self.first_trained, self.tail_start)
         self.weights.pager.set_schedule([self.weights.page_ids[i] for i in order])
+
+    def plan_tail(self, batch_size: int) -> int:
+        """The tail segment's start for the budget as it is now, from the
+        measured activations of one block (none measured yet, or a governor
+        that had to degrade: no tail). Sets the schedule when it changes."""
+        from . import segment
+
+        L = len(self.model.layers)
+        start = L
+        if self.block_act_bytes is not None and not self.gov.events:
+            head = segment.head_bytes(batch_size, self.seq_len, step._vocab_size(self.model))
+            start = segment.choose_start(self.first_trained, self.page_footprints,
+                                         self.gov.page_budget, self.block_act_bytes, head, self.plan.activations)
+        if start != self.tail_start:
+            self.tail_start = start
+            self.use_step_schedule()
+        return start
 
     def use_forward_schedule(self):
         """The pager's access order: forward sweeps only (evaluation)."""
@@ -227,6 +251,7 @@ def open_session(
         args=args, model=model, config=config, weights=weights, plan=plan, gov=gov,
         blocks=step.Blocks(model), first_trained=first,
         page_footprints=[weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)],
+        seq_len=seq_len, tail_start=len(model.layers),
     )
     if training:
         session.use_step_schedule()

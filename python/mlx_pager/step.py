@@ -5,7 +5,7 @@ model at once, so every block's weights are in memory together. Here the
 same loss and gradients are computed with one block's weights in memory at a
 time (llm.c style: forward, then backward walking the forward in reverse):
 
-  plan       run the model's own ``__call__`` with every block replaced by a
+  record     run the model's own ``__call__`` with every block replaced by a
              stand-in that records its arguments (mask, cache, ...) and
              passes its input through: gives the embedding output h0 and each
              block's call arguments, for any architecture that calls its
@@ -99,7 +99,7 @@ class _Pass:
 class _Record(_Pass):
     """Stands in for block `index`: records how it was called as
     ``calls[index] = (x, args, kwargs)`` and passes x on. ``order`` (when
-    given) gets the index of each call, so that plan can check the blocks
+    given) gets the index of each call, so that record_calls can check the blocks
     are called once each, in order."""
 
     def __init__(self, layer, index: int, calls: list, order: Optional[list] = None):
@@ -187,6 +187,11 @@ class MicroBatch:
     h0: mx.array = None
     calls: list = field(default_factory=list)  # (args, kwargs) per block
 
+    def record(self, model: nn.Module) -> None:
+        """Fills h0 and calls (record_calls)."""
+        self.h0, self.calls = record_calls(model, self.inputs)
+        mx.eval(self.h0, [v for _, v in tree_flatten(self.calls) if isinstance(v, mx.array)])
+
     @staticmethod
     def from_batch(batch: mx.array, lengths: mx.array) -> "MicroBatch":
         inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -195,18 +200,24 @@ class MicroBatch:
         return MicroBatch(inputs, targets, mask, mask.sum())
 
 
-def plan(model: nn.Module, mb: MicroBatch) -> None:
-    """Fills mb.h0 and mb.calls by running the model with recording stand-ins.
+def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = False, **kwargs):
+    """(h0, calls): the embedding output and each block's call arguments
+    ``(args, kwargs)``, from running the model's own ``__call__`` on `inputs`
+    with recording stand-ins for its blocks (nothing heavy is computed: the
+    logits of that pass are never evaluated).
 
     Raises NotPageable (one line: the architecture and why) when the model
     does not reach its blocks as the paged step runs them: each block once,
-    in order, the output of one the input of the next."""
+    in order, the output of one the input of the next. Objects among a
+    block's arguments (state the blocks share) are refused, except, with
+    `per_block_state` (generation), one object per block such as its own KV
+    cache."""
     L = len(model.layers)
     calls, order = [None] * L, []
     arch = architecture(model)
     try:
         with stand_ins(model, lambda i, l: _Record(l, i, calls, order)):
-            model(mb.inputs)  # the logits of this pass are never evaluated
+            model(inputs, **kwargs)  # the logits of this pass are never evaluated
     except NotPageable:
         raise
     except Exception as e:
@@ -235,16 +246,17 @@ def plan(model: nn.Module, mb: MicroBatch) -> None:
                 f"{arch}: the forward pass changes the hidden state between blocks {i - 1} and {i} "
                 "(or uses a block's output otherwise), so blocks cannot be run one after the other"
             )
+    owner = {}
     for i, (_, args, kwargs) in enumerate(calls):
         for _, v in tree_flatten((args, kwargs)):
-            if not (v is None or isinstance(v, (mx.array, bool, int, float, str))):
+            if v is None or isinstance(v, (mx.array, bool, int, float, str)):
+                continue
+            if not per_block_state or owner.setdefault(id(v), i) != i:
                 raise NotPageable(
                     f"{arch}: block {i} is passed a {type(v).__name__} besides the hidden state "
                     "(state its blocks share in the forward pass), so it cannot run on its own"
                 )
-    mb.h0 = calls[0][0]
-    mb.calls = [(args, kwargs) for _, args, kwargs in calls]
-    mx.eval(mb.h0, [v for _, v in tree_flatten(mb.calls) if isinstance(v, mx.array)])
+    return calls[0][0], [(args, kwargs) for _, args, kwargs in calls]
 
 
 def run_block(layer: nn.Module, h: mx.array, call) -> mx.array:
@@ -312,13 +324,18 @@ def _head_ce(model, inputs, targets, mask, h):
     return nn.losses.cross_entropy(logits, targets) * mask
 
 
+# Only sizes the head's chunks when a model names no vocabulary and has no
+# embedding to measure.
+_FALLBACK_VOCAB = 32000
+
+
 def _vocab_size(model: nn.Module) -> int:
     args = getattr(model, "args", None)
     v = getattr(args, "vocab_size", None)
     if v is None:
         v = next(
             (m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))),
-            32000,
+            _FALLBACK_VOCAB,
         )
     return int(v)
 
@@ -430,10 +447,12 @@ def first_trained_block(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def step_schedule(num_blocks: int, first_trained: int) -> List[int]:
+def step_schedule(num_blocks: int, first_trained: int, tail_start: Optional[int] = None) -> List[int]:
     """The block access order of one training step: forward, then backward
-    down to the first trained block."""
-    return list(range(num_blocks)) + list(range(num_blocks - 1, first_trained - 1, -1))
+    down to the first trained block. With a tail segment starting at s,
+    blocks s..L-1 are used once (bound together), and backward starts at s-1."""
+    s = num_blocks if tail_start is None else max(first_trained, min(num_blocks, tail_start))
+    return list(range(num_blocks)) + list(range(s - 1, first_trained - 1, -1))
 
 
 def _dropout_keys(model: nn.Module, num_blocks: int, num_micro: int):
@@ -454,65 +473,99 @@ def paged_value_and_grad(
     head_chunk_bytes: int = 64 << 20,
     on_block=None,
     blocks: Optional[Blocks] = None,
+    tail_start: Optional[int] = None,
+    probe: Optional[dict] = None,
 ) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
     """Losses and token counts per micro-batch, and the SUM over micro-batches
     of the adapter gradients, as a flat {model parameter path: grad} dict.
 
     `weights` is a PagedWeights; `on_block(phase, i)` is called after each
     block (for the memory governor and progress reports); `blocks` keeps the
-    compiled block functions from one step to the next.
+    compiled block functions from one step to the next. `tail_start` = s:
+    blocks s..L-1 and the head run as one segment, forward and backward in
+    one vjp with their pages bound together, no recompute (segment.py);
+    None or L: every trained block is checkpointed and recomputed. `probe`:
+    an empty dict gets "block_act_bytes", MLX's peak memory for one trained
+    block's forward + vjp on the first micro-batch (it resets MLX's peak).
     """
+    from . import segment
+
     L = len(model.layers)
     first = first_trained_block(model)
+    s_tail = L if tail_start is None else max(first, min(L, tail_start))
     prefixes = weights.block_prefixes
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
-        plan(model, mb)
+        mb.record(model)
 
-    # Forward, layer-major. Active dropout draws from per-(block, micro-batch)
-    # keys so that the backward pass's recompute sees the same masks; without
-    # it (mlx-lm's default) the global PRNG is left untouched, as mlx-lm does.
+    # Forward, layer-major, up to the tail. Active dropout draws from
+    # per-(block, micro-batch) keys so that the backward pass's recompute sees
+    # the same masks; without it (mlx-lm's default) the global PRNG is left
+    # untouched, as mlx-lm does.
     keys = _dropout_keys(model, L, len(micro_batches))
     hs = [mb.h0 for mb in micro_batches]
     saved: Dict[int, List[mx.array]] = {}
-    for i in range(L):
-        weights.bind(i)
-        try:
+    for i in range(s_tail):
+        with weights.bound(i):
             if i >= first:
                 saved[i] = hs
             hs = [blocks.forward(i, h, mb.calls[i], keys[i][m])
                   for m, (h, mb) in enumerate(zip(hs, micro_batches))]
             mx.eval(hs)
-        finally:
-            weights.unbind(i)
         if on_block is not None:
             on_block("forward", i)
 
+    grads: Dict[str, mx.array] = {}
+
+    def add(block_grads: Dict[str, mx.array], i: int, g_p: Dict[str, mx.array]):
+        for name, g in g_p.items():
+            full = f"{prefixes[i]}.{name}"
+            block_grads[full] = g if full not in block_grads else block_grads[full] + g
+
     losses, ntoks, cots = [], [], []
-    for h, mb in zip(hs, micro_batches):
-        loss, g = head_loss_and_grad(model, mb, h, head_chunk_bytes)
-        mx.eval(loss, g)
-        losses.append(loss)
-        ntoks.append(mb.ntoks)
-        cots.append(g)
+    if s_tail < L:
+        # The tail: blocks s..L-1 and the head in one graph per micro-batch.
+        with weights.bound(*range(s_tail, L)):
+            tail_grads: Dict[str, mx.array] = {}
+            for m, (h, mb) in enumerate(zip(hs, micro_batches)):
+                loss, g_h, g_blocks = segment.tail_value_and_grad(
+                    model, s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes)
+                for i, g_p in g_blocks.items():
+                    add(tail_grads, i, g_p)
+                mx.eval(loss, g_h, tail_grads)
+                losses.append(loss)
+                ntoks.append(mb.ntoks)
+                cots.append(g_h)
+            grads.update(tail_grads)
+        if on_block is not None:
+            for i in range(L - 1, s_tail - 1, -1):
+                on_block("tail", i)
+    else:
+        for h, mb in zip(hs, micro_batches):
+            loss, g = head_loss_and_grad(model, mb, h, head_chunk_bytes)
+            mx.eval(loss, g)
+            losses.append(loss)
+            ntoks.append(mb.ntoks)
+            cots.append(g)
     del hs
 
-    grads: Dict[str, mx.array] = {}
-    for i in range(L - 1, first - 1, -1):
-        weights.bind(i)
-        try:
+    for i in range(s_tail - 1, first - 1, -1):
+        with weights.bound(i):
             new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(saved.pop(i), micro_batches)):
+                measure = probe is not None and not probe and m == 0
+                if measure:
+                    base = mx.get_active_memory()
+                    mx.reset_peak_memory()
                 g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m])
+                if measure:
+                    mx.eval(g_h, g_p)
+                    probe["block_act_bytes"] = max(0, mx.get_peak_memory() - base)
                 new_cots.append(g_h)
-                for name, g in g_p.items():
-                    full = f"{prefixes[i]}.{name}"
-                    block_grads[full] = g if full not in block_grads else block_grads[full] + g
+                add(block_grads, i, g_p)
             cots = new_cots
             mx.eval(cots, block_grads)
             grads.update(block_grads)
-        finally:
-            weights.unbind(i)
         if on_block is not None:
             on_block("backward", i)
     return losses, ntoks, grads
@@ -524,15 +577,12 @@ def paged_loss(model, weights, micro_batches: Sequence[MicroBatch], head_chunk_b
     L = len(model.layers)
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
-        plan(model, mb)
+        mb.record(model)
     hs = [mb.h0 for mb in micro_batches]
     for i in range(L):
-        weights.bind(i)
-        try:
+        with weights.bound(i):
             hs = [blocks.forward(i, h, mb.calls[i]) for h, mb in zip(hs, micro_batches)]
             mx.eval(hs)
-        finally:
-            weights.unbind(i)
         if on_block is not None:
             on_block("eval", i)
     return [(head_loss(model, mb, h, head_chunk_bytes), mb.ntoks) for h, mb in zip(hs, micro_batches)]

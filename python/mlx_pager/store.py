@@ -21,9 +21,8 @@ arrays of block i into the model, ``unbind(i)`` takes them out again.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
+from contextlib import contextmanager
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -33,7 +32,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .layers import BlockList, NotPageable, architecture
-from ._core import Pager, SwapWriter, read_safetensors_index, swap_page_bytes
+from ._core import Pager, SwapWriter, combine_digests, read_safetensors_index, rewrite_swap_page, swap_page_bytes
+from . import swapcache
 
 RESIDENT_PAGE = "resident"
 
@@ -102,7 +102,7 @@ def _safetensors_index(model_path: Path) -> Dict[str, Tuple[str, mx.Dtype, list,
         )
     index = {}
     for f in files:
-        tensors, _, _ = read_safetensors_index(str(f))
+        tensors = swapcache.read_index(f)
         for name, (dtype, shape, offset, nbytes) in tensors.items():
             index[name] = (str(f), dtype, shape, offset, nbytes)
     return index
@@ -124,6 +124,15 @@ class PagedWeights:
             io_chunk_bytes, direct_io).
         progress: called as progress(done_bytes, total_bytes) while a swap
             file is written.
+        cache_max_bytes: size cap of ssd_cache_dir (swapcache.py).
+        reload: returns the model freshly loaded with ``lazy=True``, to
+            rebuild a swap page whose bytes fail their checksum (default:
+            mlx_lm's load_model of model_path).
+
+    With an ssd_cache_dir every page read is verified against a checksum
+    (swapcache.py keeps them): a swap page that fails it twice is rebuilt
+    from the model's files and rewritten; an in-place page is an error
+    naming the file.
     """
 
     def __init__(
@@ -135,6 +144,8 @@ class PagedWeights:
         store: str = "auto",
         pager_options: Optional[dict] = None,
         progress=None,
+        cache_max_bytes: Optional[int] = None,
+        reload=None,
     ):
         if store not in ("auto", "in_place", "swap"):
             raise ValueError(f"store must be 'auto', 'in_place' or 'swap', not '{store}'")
@@ -160,6 +171,12 @@ class PagedWeights:
 
         index = _safetensors_index(self.model_path)
         transformed = _transformed_by_sanitize(model, self.model_path)
+        self._reload = reload
+        self._cache = self._digests = None
+        self._cache_fd = None
+        if ssd_cache_dir is not None:
+            self._cache = swapcache.SwapCache(ssd_cache_dir, cache_max_bytes)
+            self._digests = self._cache.source_digests(self.model_path, swapcache.tensor_ranges(index))
 
         def stored_as_held(n):
             if n not in index or n in transformed:
@@ -184,7 +201,7 @@ class PagedWeights:
                     (n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2]))
                     for n in names
                 ]
-                pid = self.pager.add_page_in_place(page_name, tensors)
+                pid = self.pager.add_page_in_place(page_name, tensors, checksum=self._in_place_checksum(tensors))
                 self._add_slots(pid, self._slots(names, modules, params), "in_place")
             else:
                 to_swap.append((page_name, names, self._slots(names, modules, params)))
@@ -216,16 +233,10 @@ class PagedWeights:
         self.slots.append(slots)
         self.store_kind.append(kind)
 
-    def _swap_key(self, to_swap, params) -> str:
-        h = hashlib.sha256()
-        for f in sorted(self.model_path.glob("model*.safetensors")):
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        for page_name, names, _ in to_swap:
-            h.update(page_name.encode())
-            for n in names:
-                h.update(f"{n}:{params[n].dtype}:{params[n].shape}".encode())
-        return h.hexdigest()[:20]
+    def _in_place_checksum(self, tensors) -> Optional[int]:
+        if self._digests is None:
+            return None
+        return combine_digests([self._digests[path]["tensors"][n] for n, path, *_ in tensors])
 
     def _add_swap_pages(self, to_swap, params, ssd_cache_dir, progress):
         if ssd_cache_dir is None:
@@ -233,50 +244,81 @@ class PagedWeights:
                 f"{len(to_swap)} pages must be written to a swap file, but no "
                 "ssd_cache_dir was given: pass ssd_cache_dir (--ssd-cache-dir)"
             )
-        key = self._swap_key(to_swap, params)
-        d = Path(ssd_cache_dir) / key
-        d.mkdir(parents=True, exist_ok=True)
-        swap_path, manifest_path = d / "pages.swap", d / "manifest.json"
-        manifest = None
-        if manifest_path.exists() and swap_path.exists():
-            try:
-                manifest = json.loads(manifest_path.read_text())
-                if manifest.get("complete") is not True:
-                    manifest = None
-            except ValueError:
-                manifest = None
-        if manifest is None:
-            manifest = self._write_swap(swap_path, to_swap, params, progress)
-            tmp = manifest_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(manifest))
-            os.replace(tmp, manifest_path)
-        self.swap_path = swap_path
-        for page_name, names, slots in to_swap:
-            offset = manifest["pages"][page_name]
-            specs = [(n, params[n].dtype, list(params[n].shape)) for n in names]
-            pid = self.pager.add_page_from_swap(page_name, str(swap_path), offset, specs)
-            self._add_slots(pid, slots, "swap")
-
-    def _write_swap(self, swap_path, to_swap, params, progress):
+        key = swapcache.entry_key(self.model_path, self._digests, [(p, n) for p, n, _ in to_swap], params)
         total = sum(swap_page_bytes([params[n].nbytes for n in names]) for _, names, _ in to_swap)
+        swap_path, manifest, self._cache_fd = self._cache.entry(
+            key, self.model_path, lambda tmp: self._write_swap(tmp, to_swap, params, progress, total), total)
+        # The entry stays in use (locked against cleanup) while this object lives.
+        weakref.finalize(self, swapcache.release, self._cache_fd)
+        self.swap_path = swap_path
+        self._swap_pages = manifest["pages"]
+        for page_name, names, slots in to_swap:
+            offset, checksum = manifest["pages"][page_name]
+            specs = [(n, params[n].dtype, list(params[n].shape)) for n in names]
+            pid = self.pager.add_page_from_swap(page_name, str(swap_path), offset, specs, checksum=checksum)
+            self._add_slots(pid, slots, "swap")
+        # Through a weak reference: the pager must not keep this object alive.
+        me = weakref.ref(self)
+        self.pager.set_rebuild_hook(lambda pid: me() is not None and me()._rebuild_page(pid))
+
+    def _write_swap(self, swap_path, to_swap, params, progress, total):
         writer = SwapWriter(str(swap_path), total)
         pages, done = {}, 0
         for page_name, names, _ in to_swap:
             # Evaluated one page at a time: memory stays near one page.
             arrays = [params[n] for n in names]
-            pages[page_name] = writer.write_page(arrays)
+            pages[page_name] = writer.write_page_checked(arrays)
             done += swap_page_bytes([a.nbytes for a in arrays])
             del arrays
             mx.clear_cache()
             if progress is not None:
                 progress(done, total)
-        size = writer.finish()
-        return {"complete": True, "pages": pages, "bytes": size}
+        writer.finish()
+        return pages
+
+    def _rebuild_page(self, pid: int) -> bool:
+        """The pager's rebuild hook (pager.h): a swap page whose bytes failed
+        their checksum twice is evaluated again from the model's files and
+        written over itself. In-place pages cannot be rebuilt (False: the
+        pager's error names the file)."""
+        if self.store_kind[pid] != "swap":
+            return False
+        page_name = self.pager.page_name(pid)
+        offset, checksum = self._swap_pages[page_name]
+        if self._reload is not None:
+            fresh = self._reload()
+        else:
+            from mlx_lm.utils import load_model
+
+            fresh, _ = load_model(self.model_path, lazy=True)
+        params = dict(tree_flatten(fresh.parameters()))
+        got = rewrite_swap_page(str(self.swap_path), offset, [params[s.name] for s in self.slots[pid]])
+        del fresh, params
+        mx.clear_cache()
+        if got != checksum:
+            raise swapcache.ModelFileError(
+                f"page '{page_name}' of {self.swap_path} was corrupt and rebuilding it from {self.model_path} "
+                "gave other bytes: the model's files changed during the run; run again to rebuild the cache")
+        return True
 
     # -------------------------------------------------------------- binding --
     @property
     def num_blocks(self) -> int:
         return len(self.page_ids)
+
+    @contextmanager
+    def bound(self, *blocks: int):
+        """Blocks paged in and their arrays in the model for the duration:
+        the paged-in / run / paged-out pattern, written once."""
+        done = []
+        try:
+            for b in blocks:
+                self.bind(b)
+                done.append(b)
+            yield
+        finally:
+            for b in reversed(done):
+                self.unbind(b)
 
     def bind(self, block: int) -> None:
         """Pages block `block` in and puts its arrays into the model."""

@@ -148,3 +148,45 @@ def test_a_block_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
     assert blocks.uncompiled and all("eval" in why for why in blocks.uncompiled.values())
     assert losses[0].item() == loss.item()
     assert_bitwise(grads, pgrads)
+
+
+@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4), ("qwen2", 4)])
+def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, bits):
+    """Blocks s..L-1 and the head as one no-recompute segment (segment.py),
+    for every s from the first trained block to L (none), with two
+    micro-batches and a chunked head: the same bits as default_loss, and
+    each block of the tail read once per step (forward, not backward)."""
+    path = models(arch, bits)
+    bs = batches(path, 2)
+    ref = reference(path, 3)
+    vg = nn.value_and_grad(ref, default_loss)
+    total, ref_losses = None, []
+    for b in bs:
+        (l, _), g = vg(ref, *b)
+        mx.eval(l, g)
+        ref_losses.append(l.item())
+        flat = dict(tree_flatten(g))
+        total = flat if total is None else {k: total[k] + flat[k] for k in flat}
+    model, w = paged(path, 3, "in_place", tmp_path)
+    L = len(model.layers)
+    for s in range(L - 3, L + 1):
+        before = w.pager.stats()["acquires"]
+        losses, _, grads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*b) for b in bs],
+                                                  head_chunk_bytes=20_000, tail_start=s)
+        assert [x.item() for x in losses] == ref_losses, s
+        assert_bitwise(total, grads)
+        assert w.pager.stats()["acquires"] - before == L + (s - (L - 3)), s
+
+
+def test_tail_start_fits_pages_and_measured_activations():
+    from mlx_pager.segment import choose_start
+
+    fp = [100] * 8
+    # every trained block fits: no recompute at all
+    assert choose_start(2, fp, page_budget=1000, block_act_bytes=10, head_act_bytes=50, act_budget=200) == 2
+    # pages of 3 blocks fit the page budget
+    assert choose_start(0, fp, page_budget=350, block_act_bytes=10, head_act_bytes=0, act_budget=100) == 5
+    # activations decide: pages + (8 - s) * 50 + 20 <= 350 + 100
+    assert choose_start(0, fp, page_budget=350, block_act_bytes=50, head_act_bytes=20, act_budget=100) == 6
+    # not even the last block: no tail
+    assert choose_start(0, fp, page_budget=90, block_act_bytes=1, head_act_bytes=1, act_budget=10) == 8

@@ -1,0 +1,100 @@
+"""The tail segment: the last blocks and the head, forward and backward in
+one vector-Jacobian product, with no recompute.
+
+step.py checkpoints each trained block's input in the forward sweep and
+recomputes the block in the backward sweep (mlx-lm's --grad-checkpoint
+cost: trained blocks run forward twice). When the budget can hold the pages
+of blocks s..L-1 together, plus the activations their autodiff graph keeps,
+those blocks need neither: the forward sweep stops at h[s], and
+
+    loss, (dL/dh[s], dL/dadapters[s..L-1]) = vjp(tail, h[s])
+    tail(h) = head_loss(block[L-1](... block[s](h)))
+
+computes them in one graph, as mlx-lm's own value_and_grad does over the
+whole model. The backward sweep then walks s-1 .. first with recompute, as
+before. With s = first (a budget that holds every trained block) a step does
+mlx-lm's arithmetic with no recompute at all, and the results are the same
+bits. ``choose_start`` picks the smallest s that fits, from the page
+footprints and a measured size of one block's activations.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import step
+
+
+def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: int) -> mx.array:
+    """default_loss's value from the last hidden state, over the same token
+    chunks as step.head_loss (the per-token losses do not depend on the
+    chunking; they are summed at once, as default_loss sums them)."""
+    parts = [step._head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
+             for t0, t1 in step.head_chunks(h.shape[1], h.shape[0], step._vocab_size(model), chunk_bytes)]
+    return step._concat(parts).astype(mx.float32).sum() / mb.ntoks
+
+
+def tail_value_and_grad(
+    model: nn.Module,
+    start: int,
+    mb: "step.MicroBatch",
+    h: mx.array,
+    keys: Sequence[Optional[mx.array]],
+    chunk_bytes: int,
+) -> Tuple[mx.array, mx.array, Dict[int, Dict[str, mx.array]]]:
+    """(loss, dL/dh[start], {block: {adapter name: grad}}) for blocks
+    start..L-1 and the head, for one micro-batch; the blocks' pages must be
+    bound. keys[i]: block i's dropout key (None without dropout)."""
+    L = len(model.layers)
+    layers = [model.layers[i] for i in range(start, L)]
+    names = [step._trainable_names(layer) for layer in layers]
+    params = [[v for _, v in tree_flatten(layer.trainable_parameters())] for layer in layers]
+    sizes = [len(p) for p in params]
+
+    def tail(x, *flat):
+        at = 0
+        for layer, n, k in zip(layers, names, sizes):
+            layer.update(tree_unflatten(list(zip(n, flat[at:at + k]))))
+            at += k
+        for j, layer in enumerate(layers):
+            with step.keyed_dropout(layer, keys[start + j]):
+                x = step.run_block(layer, x, mb.calls[start + j])
+        return [_head_loss_in_graph(model, mb, x, chunk_bytes)]
+
+    flat = [p for ps in params for p in ps]
+    try:
+        (loss,), grads = mx.vjp(tail, [h, *flat], [mx.array(1.0, dtype=mx.float32)])
+    finally:
+        for layer, n, ps in zip(layers, names, params):
+            layer.update(tree_unflatten(list(zip(n, ps))))  # drop tracers
+    out: Dict[int, Dict[str, mx.array]] = {}
+    at = 1
+    for j, (n, k) in enumerate(zip(names, sizes)):
+        out[start + j] = dict(zip(n, grads[at:at + k]))
+        at += k
+    return loss, grads[0], out
+
+
+def head_bytes(batch: int, seq_len: int, vocab: int) -> int:
+    """What the head's autodiff graph keeps for a whole micro-batch: the
+    float32 logits, their softmax and its gradient."""
+    return 3 * batch * seq_len * vocab * 4
+
+
+def choose_start(first: int, footprints: List[int], page_budget: int, block_act_bytes: int,
+                 head_act_bytes: int, act_budget: int) -> int:
+    """The smallest s >= first such that the pages of blocks s..L-1 fit in
+    the page budget together, and the pages plus the tail's activations (one
+    measured block's worth per block, plus the head's) fit in the page and
+    activation budgets together. Returns L (no tail) when nothing fits."""
+    L = len(footprints)
+    for s in range(first, L):
+        pages = sum(footprints[s:])
+        acts = (L - s) * block_act_bytes + head_act_bytes
+        if pages <= page_budget and pages + acts <= page_budget + act_budget:
+            return s
+    return L
