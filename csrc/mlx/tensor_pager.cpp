@@ -2,12 +2,14 @@
 #include "mlx/tensor_pager.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <stdexcept>
 
 #include <mlx/ops.h>
 #include <mlx/transforms.h>
 
+#include "mm/checksum.h"
 #include "mm/layout.h"
 #include "mm/safetensors.h"
 
@@ -38,7 +40,10 @@ PageId TensorPager::add(PageSpec spec, std::vector<Placed> tensors) {
 }
 
 PageId TensorPager::add_page_in_place(
-    const std::string& name, const std::vector<FileTensor>& tensors, int priority) {
+    const std::string& name,
+    const std::vector<FileTensor>& tensors,
+    int priority,
+    const std::uint64_t* checksum) {
   std::vector<TensorSource> sources;
   std::vector<std::uint64_t> file_sizes;
   for (const FileTensor& t : tensors) {
@@ -74,11 +79,21 @@ PageId TensorPager::add_page_in_place(
         "[TensorPager] page '" + name + "' cannot be read in place: " + plan.why_not);
   }
   std::vector<Placed> placed;
+  PageSpec spec;
+  spec.name = name;
+  spec.frame_bytes = plan.frame_bytes;
+  spec.extents = plan.extents;
+  spec.priority = priority;
+  spec.moves = plan.moves;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     placed.push_back(Placed{tensors[i].spec, plan.tensors[i].frame_offset});
+    spec.verify.push_back(FrameRange{plan.tensors[i].frame_offset, plan.tensors[i].nbytes});
   }
-  return add(
-      PageSpec{name, plan.frame_bytes, plan.extents, priority, plan.moves}, std::move(placed));
+  if (checksum != nullptr) {
+    spec.checked = true;
+    spec.checksum = *checksum;
+  }
+  return add(std::move(spec), std::move(placed));
 }
 
 PageId TensorPager::add_page_from_swap(
@@ -86,7 +101,8 @@ PageId TensorPager::add_page_from_swap(
     const std::string& swap_path,
     std::uint64_t page_offset,
     const std::vector<TensorSpec>& tensors,
-    int priority) {
+    int priority,
+    const std::uint64_t* checksum) {
   FileId f = pager_.add_file(swap_path);
   std::vector<std::string> names;
   std::vector<std::uint64_t> sizes;
@@ -107,7 +123,17 @@ PageId TensorPager::add_page_from_swap(
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     placed.push_back(Placed{tensors[i], plan.tensors[i].frame_offset});
   }
-  return add(PageSpec{name, plan.frame_bytes, plan.extents, priority, {}}, std::move(placed));
+  PageSpec spec;
+  spec.name = name;
+  spec.frame_bytes = plan.frame_bytes;
+  spec.extents = plan.extents;
+  spec.priority = priority;
+  if (checksum != nullptr) {
+    spec.checked = true;
+    spec.checksum = *checksum;
+    spec.verify.push_back(FrameRange{0, plan.frame_bytes});
+  }
+  return add(std::move(spec), std::move(placed));
 }
 
 NamedArrays TensorPager::acquire(PageId id) {
@@ -131,7 +157,20 @@ NamedArrays TensorPager::acquire(PageId id) {
   return out;
 }
 
-std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& arrays) {
+// Evaluates `a` as a row-contiguous array (e.g. of a transposed or
+// broadcast one), whose bytes are the tensor's.
+static mx::array contiguous_eval(const mx::array& a) {
+  mx::array c = a;
+  mx::eval(c);
+  if (!c.flags().row_contiguous) {
+    c = mx::contiguous(c);
+    mx::eval(c);
+  }
+  return c;
+}
+
+std::uint64_t write_swap_page(
+    SwapWriter& writer, const std::vector<mx::array>& arrays, std::uint64_t* checksum) {
   // The layout is plan_swap_page's, the one add_page_from_swap reads back.
   std::vector<std::uint64_t> nbytes;
   nbytes.reserve(arrays.size());
@@ -140,18 +179,36 @@ std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& 
   }
   SwapPageLayout layout = plan_swap_page(nbytes);
   std::uint64_t start = writer.begin_page();
+  Hasher h;  // what is written from `start` on, zeros included
   for (std::size_t i = 0; i < arrays.size(); ++i) {
-    mx::array c = arrays[i];
-    mx::eval(c);
-    if (!c.flags().row_contiguous) {
-      c = mx::contiguous(c);  // e.g. a transposed or broadcast array
-      mx::eval(c);
-    }
+    mx::array c = contiguous_eval(arrays[i]);
+    h.update(nullptr, start + layout.offsets[i] - writer.position());
     writer.fill_to(start + layout.offsets[i]);
+    h.update(c.data<char>(), c.nbytes());
     writer.write(c.data<char>(), c.nbytes());
   }
+  h.update(nullptr, start + layout.bytes - writer.position());
   writer.fill_to(start + layout.bytes);
+  if (checksum != nullptr) {
+    *checksum = combine_digests({h.digest()});
+  }
   return start;
+}
+
+std::uint64_t rewrite_swap_page(
+    const std::string& swap_path, std::uint64_t page_offset, const std::vector<mx::array>& arrays) {
+  std::vector<std::uint64_t> nbytes;
+  for (const mx::array& a : arrays) {
+    nbytes.push_back(a.nbytes());
+  }
+  SwapPageLayout layout = plan_swap_page(nbytes);
+  std::vector<char> page(layout.bytes, 0);
+  for (std::size_t i = 0; i < arrays.size(); ++i) {
+    mx::array c = contiguous_eval(arrays[i]);
+    std::memcpy(page.data() + layout.offsets[i], c.data<char>(), c.nbytes());
+  }
+  rewrite_swap_range(swap_path, page_offset, page.data(), page.size());
+  return combine_digests({xxh3(page.data(), page.size())});
 }
 
 static mx::Dtype to_mlx(ScalarType t) {

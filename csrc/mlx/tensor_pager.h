@@ -45,15 +45,21 @@ class TensorPager {
   // A page read in place from the tensors' files. Throws std::invalid_argument
   // (naming the page and tensor) if a tensor cannot be viewed in place; such
   // a page goes to the swap file instead.
+  // `checksum`: verify every read against it (checksum.h: the combined XXH3
+  // of the tensors' bytes, in the order given); nullptr: no verification.
   PageId add_page_in_place(
-      const std::string& name, const std::vector<FileTensor>& tensors, int priority = 0);
+      const std::string& name,
+      const std::vector<FileTensor>& tensors,
+      int priority = 0,
+      const std::uint64_t* checksum = nullptr);
   // A page written by write_swap_page() at `page_offset` of `swap_path`.
   PageId add_page_from_swap(
       const std::string& name,
       const std::string& swap_path,
       std::uint64_t page_offset,
       const std::vector<TensorSpec>& tensors,
-      int priority = 0);
+      int priority = 0,
+      const std::uint64_t* checksum = nullptr);  // as write_swap_page returned it
 
   // The page's tensors, in registration order. Blocks while the page is read.
   NamedArrays acquire(PageId id);
@@ -76,8 +82,16 @@ class TensorPager {
 };
 
 // Appends one page made of `arrays` to a swap file (evaluating them), laid
-// out as add_page_from_swap expects. Returns the page's offset in the file.
-std::uint64_t write_swap_page(SwapWriter& writer, const std::vector<mx::array>& arrays);
+// out as add_page_from_swap expects. Returns the page's offset in the file;
+// stores the page's checksum (checksum.h) in `*checksum` when given.
+std::uint64_t write_swap_page(
+    SwapWriter& writer, const std::vector<mx::array>& arrays, std::uint64_t* checksum = nullptr);
+
+// Writes the page made of `arrays` over the page at `page_offset` of an
+// existing swap file (a page rebuilt after a checksum failure). Returns the
+// checksum of what was written.
+std::uint64_t rewrite_swap_page(
+    const std::string& swap_path, std::uint64_t page_offset, const std::vector<mx::array>& arrays);
 
 // The MLX dtype of a safetensors dtype name; throws naming unknown ones.
 mx::Dtype dtype_from_safetensors(const std::string& name);

@@ -99,7 +99,7 @@ DirectFile DirectFile::open_read(const std::string& path, bool want_direct) {
 
 DirectFile DirectFile::create_write(
     const std::string& path, std::uint64_t reserve_bytes, bool want_direct) {
-  auto [fd, mode] = open_mode(path, O_RDWR | O_CREAT | O_TRUNC, 0644, want_direct);
+  auto [fd, mode] = open_mode(path, O_RDWR | O_CREAT | O_TRUNC, 0600, want_direct);
   DirectFile f(fd, mode, path);
   if (reserve_bytes > 0) {
 #if defined(__APPLE__)

@@ -45,7 +45,8 @@ class DirectFile {
   // (used by tests and when the user turns direct I/O off). Throws
   // std::system_error naming the path when the file cannot be opened.
   static DirectFile open_read(const std::string& path, bool want_direct = true);
-  // Creates (or truncates) `path` for writing and reserves `reserve_bytes`
+  // Creates (or truncates) `path` for writing, mode 0600 (a private copy of
+  // the user's weights), and reserves `reserve_bytes`
   // with posix_fallocate, so that a full disk is an error here (ENOSPC), not
   // a SIGBUS or a short write later.
   static DirectFile create_write(

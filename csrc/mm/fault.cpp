@@ -7,7 +7,9 @@
 //   on_disk   -> fault: make room, allocate a frame, submit the read as urgent,
 //                then wait like in_flight
 // A read failing puts the page back on disk with its error; the acquire that
-// waited for it throws PageReadError, a later acquire tries again.
+// waited for it throws PageReadError, a later acquire tries again. A read
+// whose bytes fail their checksum twice is failed as corrupt: the acquire
+// that waited for it asks the rebuild hook once, then reads again (pager.h).
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -37,6 +39,7 @@ Frame Pager::acquire(PageId id) {
   ++stat_.acquires;
   advance_cursor_locked(lock, id);
   bool counted = false;
+  bool rebuilt = false;
   for (;;) {
     if (e.state == PageState::resident) {
       if (!counted) {
@@ -61,6 +64,19 @@ Frame Pager::acquire(PageId id) {
       cv_.wait(lock, [&] { return e.state != PageState::in_flight; });
       stat_.io_wait_ns += elapsed_ns(t0);
       if (e.state == PageState::on_disk && e.failed_gen == gen) {
+        if (e.corrupt && !rebuilt && rebuild_hook_) {
+          // Rebuild the page's bytes on this thread, unlocked (the hook may
+          // run Python and MLX), then read again.
+          std::shared_ptr<const RebuildHook> hook = rebuild_hook_;
+          rebuilt = true;
+          lock.unlock();
+          bool ok = (*hook)(id);
+          lock.lock();
+          if (ok) {
+            ++stat_.pages_rebuilt;
+            continue;
+          }
+        }
         throw PageReadError(e.error);
       }
       continue;
@@ -204,24 +220,44 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
   if (e.read_gen != gen || e.state != PageState::in_flight) {
     return;
   }
-  if (!e.spec.moves.empty() && !batch.error()) {
-    // Align tensors the reads left misaligned (layout.h). The frame is ours
-    // alone while in flight, so this runs without the lock.
+  std::string corrupt;  // why the bytes read are wrong, if they are
+  if (!batch.error() && (!e.spec.moves.empty() || e.spec.checked)) {
+    // Align tensors the reads left misaligned (layout.h), then verify. The
+    // frame is ours alone while in flight and specs never change, so this
+    // runs without the lock (pager.h: Integrity).
     char* data = e.frame.data;
+    const PageSpec& spec = e.spec;
+    std::vector<ReadOp> again;  // the reads, for a second try
+    if (spec.checked) {
+      for (const Extent& x : spec.extents) {
+        again.push_back(ReadOp{
+            &table_.file(x.file), x.file_offset, static_cast<std::size_t>(x.length),
+            static_cast<std::size_t>(x.required), data + x.frame_offset});
+      }
+    }
     lock.unlock();
-    for (const FrameMove& m : e.spec.moves) {
+    for (const FrameMove& m : spec.moves) {
       std::memmove(data + m.to, data + m.from, m.length);
     }
+    std::uint64_t mismatches = 0, reread_bytes = 0;
+    if (spec.checked) {
+      corrupt = verify_unlocked(spec, data, again, mismatches, reread_bytes);
+    }
     lock.lock();
+    stat_.checksum_errors += mismatches;
+    stat_.rereads += mismatches > 0;
+    stat_.bytes_read += reread_bytes;
   }
-  if (std::exception_ptr err = batch.error()) {
-    std::string what;
-    try {
-      std::rethrow_exception(err);
-    } catch (const std::exception& ex) {
-      what = ex.what();
-    } catch (...) {
-      what = "unknown error";
+  if (batch.error() || !corrupt.empty()) {
+    std::string what = corrupt;
+    if (std::exception_ptr err = batch.error()) {
+      try {
+        std::rethrow_exception(err);
+      } catch (const std::exception& ex) {
+        what = ex.what();
+      } catch (...) {
+        what = "unknown error";
+      }
     }
     std::string files;
     for (const Extent& x : e.spec.extents) {
@@ -232,6 +268,7 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
     }
     e.error = "[Pager::acquire] cannot read page '" + e.spec.name + "' from " + files + ": " + what;
     e.failed_gen = gen;
+    e.corrupt = !corrupt.empty();
     ++stat_.read_errors;
     // Free the frame while the page still reads as in flight, so that the
     // acquire that waits for it wakes to memory already given back. The
@@ -255,6 +292,37 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
   check_accounting_locked(lock);
   cv_.notify_all();
   drop_graveyard_unlocked(lock);
+}
+
+std::string Pager::verify_unlocked(
+    const PageSpec& spec,
+    char* data,
+    const std::vector<ReadOp>& again,
+    std::uint64_t& mismatches,
+    std::uint64_t& reread_bytes) {
+  if (frame_checksum(data, spec.verify) == spec.checksum) {
+    return "";
+  }
+  ++mismatches;
+  // Read the page once more: a bad transfer (or a page rewritten meanwhile)
+  // reads right the second time; bytes wrong on the disk do not.
+  try {
+    for (const ReadOp& op : again) {
+      reread_bytes += io_.read_retrying(op);
+    }
+  } catch (const std::exception& ex) {
+    return std::string("its bytes did not match their checksum and reading them again failed: ") +
+        ex.what();
+  }
+  for (const FrameMove& m : spec.moves) {
+    std::memmove(data + m.to, data + m.from, m.length);
+  }
+  if (frame_checksum(data, spec.verify) == spec.checksum) {
+    return "";
+  }
+  ++mismatches;
+  return "its bytes do not match their checksum (read twice): the file changed since the "
+         "checksum was taken, or is corrupt";
 }
 
 }  // namespace mlx_pager

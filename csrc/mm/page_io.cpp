@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <stdexcept>
 #include <system_error>
 
@@ -115,25 +116,7 @@ void PageIO::worker() {
       ++running_;
       injector = injector_;
     }
-    if (injector) {
-      std::size_t len = c.op.length;
-      int err = 0;
-      injector(c.op.file->path(), c.op.offset, len, err);
-      if (err != 0) {
-        std::lock_guard<std::mutex> lock(c.batch->mu_);
-        if (!c.batch->error_) {
-          c.batch->error_ = std::make_exception_ptr(std::system_error(
-              err, std::generic_category(),
-              "[PageIO] pread(" + c.op.file->path() + ", offset " + std::to_string(c.op.offset) +
-                  ") [injected]"));
-        }
-      } else {
-        c.op.length = len;  // an injected short read
-        run_chunk(c);
-      }
-    } else {
-      run_chunk(c);
-    }
+    run_chunk(c, injector);
     finish_chunk(c.batch);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -145,7 +128,7 @@ void PageIO::worker() {
   }
 }
 
-void PageIO::run_chunk(Chunk& c) {
+void PageIO::run_chunk(Chunk& c, const FaultInjector& injector) {
   {
     // Skip the work of a batch that has already failed.
     std::lock_guard<std::mutex> lock(c.batch->mu_);
@@ -154,13 +137,83 @@ void PageIO::run_chunk(Chunk& c) {
     }
   }
   try {
-    c.batch->bytes_ += read_now(c.op);
+    c.batch->bytes_ += read_attempts(c.op, injector);
   } catch (...) {
     std::lock_guard<std::mutex> lock(c.batch->mu_);
     if (!c.batch->error_) {
       c.batch->error_ = std::current_exception();
     }
   }
+}
+
+std::uint64_t PageIO::read_attempts(const ReadOp& op, const FaultInjector& injector) {
+  for (int attempt = 1;; ++attempt) {
+    try {
+      ReadOp o = op;
+      if (injector) {
+        std::size_t len = o.length;
+        int err = 0;
+        injector(o.file->path(), o.offset, len, err);
+        if (err != 0) {
+          throw std::system_error(
+              err, std::generic_category(),
+              "[PageIO] pread(" + o.file->path() + ", offset " + std::to_string(o.offset) +
+                  ") [injected]");
+        }
+        o.length = std::min(len, o.length);  // an injected short read
+      }
+      return read_now(o);
+    } catch (const std::system_error& e) {
+      if (attempt >= kReadAttempts) {
+        // what() ends with ": <strerror>", which system_error appends again.
+        std::string what = e.what(), tail = ": " + e.code().message();
+        if (what.size() >= tail.size() &&
+            what.compare(what.size() - tail.size(), tail.size(), tail) == 0) {
+          what.resize(what.size() - tail.size());
+        }
+        throw std::system_error(e.code(), what + " (" + std::to_string(attempt) + " attempts)");
+      }
+      ++retries_;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2 * attempt));
+    }
+  }
+}
+
+std::uint64_t PageIO::read_retrying(const ReadOp& op) {
+  FaultInjector injector;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    injector = injector_;
+  }
+  std::uint64_t n = 0;
+  for (std::size_t off = 0; off < op.length; off += chunk_bytes_) {
+    ReadOp piece = op;
+    piece.offset = op.offset + off;
+    piece.dst = op.dst + off;
+    piece.length = std::min(chunk_bytes_, op.length - off);
+    piece.required = op.required > off ? std::min(piece.length, op.required - off) : 0;
+    n += read_attempts(piece, injector);
+  }
+  return n;
+}
+
+FaultInjector fault_rule(
+    std::string path_contains, int err, std::size_t short_len, long skip, long count) {
+  auto seen = std::make_shared<std::atomic<long>>(0);
+  return [=](const std::string& path, std::uint64_t, std::size_t& len, int& e) {
+    if (path.find(path_contains) == std::string::npos) {
+      return;
+    }
+    long n = seen->fetch_add(1);
+    if (n < skip || (count >= 0 && n >= skip + count)) {
+      return;
+    }
+    if (err != 0) {
+      e = err;
+    } else {
+      len = std::min(len, short_len);
+    }
+  };
 }
 
 void PageIO::finish_chunk(const std::shared_ptr<IoBatch>& batch) {

@@ -8,6 +8,11 @@
 //
 // Demand reads (a fault someone is blocked on) go ahead of readahead.
 //
+// A chunk that fails (an I/O error, a short read) is tried again, up to
+// kReadAttempts times in all with a short pause between: a transient error
+// costs a few milliseconds, a persistent one fails the batch with its last
+// error, which says how many attempts were made.
+//
 //   submit(ops) --> [urgent queue][background queue] --> N I/O threads
 //                                                          | pread chunk
 //   wait() <-- done + error <-- on_complete(batch) <-------+ last chunk
@@ -32,6 +37,8 @@ namespace mlx_pager {
 // Default size of the pieces a read is split into: large enough for the SSD
 // to stream, small enough that one page keeps several I/O threads busy.
 inline constexpr std::size_t kDefaultIoChunkBytes = 8u << 20;
+// Tries of one chunk read before its error fails the batch.
+inline constexpr int kReadAttempts = 3;
 
 // One contiguous read. `length` bytes are requested (aligned when the file is
 // in direct mode); the first `required` of them must exist in the file, the
@@ -48,6 +55,13 @@ struct ReadOp {
 // set `err` to an errno to fail the chunk, or lower `len` to cut it short.
 using FaultInjector =
     std::function<void(const std::string& path, std::uint64_t offset, std::size_t& len, int& err)>;
+
+// A FaultInjector for reads of files whose path contains `path_contains`:
+// the first `skip` such reads pass, the next `count` (-1: all) fail with
+// errno `err`, or, when `err` is 0, are cut to `short_len` bytes. Safe to
+// call from every I/O thread (its counter is atomic).
+FaultInjector fault_rule(
+    std::string path_contains, int err, std::size_t short_len, long skip, long count);
 
 class IoBatch {
  public:
@@ -87,8 +101,13 @@ class PageIO {
 
   // Reads synchronously on the calling thread (no queueing); throws on error.
   static std::uint64_t read_now(const ReadOp& op);
+  // Reads `op` on the calling thread as an I/O thread does: through the fault
+  // injector, retried up to kReadAttempts times. Throws the last error.
+  std::uint64_t read_retrying(const ReadOp& op);
 
   void set_fault_injector(FaultInjector f);
+  // Chunk reads tried again after an error, since construction.
+  std::uint64_t retries() const { return retries_.load(); }
 
  private:
   struct Chunk {
@@ -96,7 +115,8 @@ class PageIO {
     ReadOp op;  // the piece of the original op this chunk covers
   };
   void worker();
-  void run_chunk(Chunk& c);
+  void run_chunk(Chunk& c, const FaultInjector& injector);
+  std::uint64_t read_attempts(const ReadOp& op, const FaultInjector& injector);
   void finish_chunk(const std::shared_ptr<IoBatch>& batch);
 
   std::size_t chunk_bytes_;
@@ -109,6 +129,7 @@ class PageIO {
   std::size_t running_ = 0;
   bool stop_ = false;
   FaultInjector injector_;
+  std::atomic<std::uint64_t> retries_{0};
 };
 
 }  // namespace mlx_pager

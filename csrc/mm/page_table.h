@@ -20,6 +20,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "mm/checksum.h"
 #include "mm/direct_io.h"
 #include "mm/frame.h"
 
@@ -57,6 +58,11 @@ struct PageSpec {
   std::vector<Extent> extents;
   int priority = 0;  // eviction class: lower classes are evicted first
   std::vector<FrameMove> moves;
+  // Integrity (checksum.h): when `checked`, every read of the page is
+  // verified on its I/O thread: frame_checksum(frame, verify) == checksum.
+  bool checked = false;
+  std::uint64_t checksum = 0;
+  std::vector<FrameRange> verify;
 };
 
 // What the pager knows of one page at run time.
@@ -72,7 +78,8 @@ struct PageEntry {
   std::uint64_t last_access = 0;
   std::uint64_t read_gen = 0;  // counts reads started, to match completions
   std::uint64_t failed_gen = 0;
-  std::string error;  // message of the last failed read
+  std::string error;     // message of the last failed read
+  bool corrupt = false;  // the last failed read read wrong bytes (twice)
 };
 
 class PageTable {

@@ -203,9 +203,17 @@ void Pager::note_peak_locked(const Lock& lock) {
   stat_.peak_resident_bytes = std::max(stat_.peak_resident_bytes, charged_now());
 }
 
+void Pager::set_rebuild_hook(RebuildHook hook) {
+  auto h = hook ? std::make_shared<const RebuildHook>(std::move(hook)) : nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  rebuild_hook_.swap(h);
+  // The old hook goes with `h`, after the lock.
+}
+
 VmStat Pager::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   VmStat s = stat_;
+  s.io_retries = io_.retries();
   s.resident_bytes_now = charged_now();
   s.peak_resident_bytes = std::max(s.peak_resident_bytes, s.resident_bytes_now);
   for (PageId id = 0; id < table_.size(); ++id) {

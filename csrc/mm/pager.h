@@ -14,6 +14,15 @@
 //               computes, evicting only pages needed later than the one read.
 //   pin(p)      resident for good and mlock'ed (mlock.h); never evicted.
 //
+// Integrity: a page registered with a checksum (PageSpec::checked) is
+// verified after every read, on the I/O thread that completed it, with mu_
+// released (checksum.h). A mismatch reads the page once more, synchronously
+// on that thread; a second mismatch fails the read as corrupt. The acquire
+// waiting for it then calls the rebuild hook (set_rebuild_hook) on its own
+// thread, without mu_: a hook that rewrote the page's bytes (a swap page,
+// from the model's files) returns true and the read is tried once more;
+// otherwise acquire throws PageReadError naming the page and its files.
+//
 // Budget accounting counts what is really allocated: a frame is charged from
 // the moment its read is planned until its memory is freed, which can be
 // after eviction when someone still holds an array viewing it.
@@ -138,6 +147,10 @@ class Pager {
   VmStat stats() const;
   // Test hook: see page_io.h.
   void set_fault_injector(FaultInjector f) { io_.set_fault_injector(std::move(f)); }
+  // Called as hook(page) when a page's bytes on disk fail their checksum
+  // twice (see Integrity above); returns whether it rewrote them. May throw.
+  using RebuildHook = std::function<bool(PageId)>;
+  void set_rebuild_hook(RebuildHook hook);
 
  private:
   // Shared with frames' on_free callbacks, which may outlive the pager.
@@ -166,6 +179,16 @@ class Pager {
   void abandon_read_locked(Lock& lock, PageId id);
   // The I/O completion of a read (takes mu_ itself).
   void complete_read(PageId id, std::uint64_t gen, IoBatch& batch);
+  // Verifies a page's frame after its read (mu_ not held; the frame is the
+  // read's alone). On a mismatch reads the page again once (`again`: its
+  // reads, resolved under mu_). Returns "" when the bytes match, else why
+  // not; counts into the last two arguments.
+  std::string verify_unlocked(
+      const PageSpec& spec,
+      char* data,
+      const std::vector<ReadOp>& again,
+      std::uint64_t& mismatches,
+      std::uint64_t& reread_bytes);
   void advance_cursor_locked(const Lock& lock, PageId id);
   // reclaim.cpp
   std::vector<Candidate> evictable_locked(const Lock& lock) const;
@@ -208,6 +231,7 @@ class Pager {
   // pager before it gives up with a BudgetError.
   static constexpr std::chrono::milliseconds kZombieTimeout{2000};
   VmStat stat_;
+  std::shared_ptr<const RebuildHook> rebuild_hook_;
 
   // Last member: destroyed first, so no I/O completion runs on a dead pager.
   PageIO io_;

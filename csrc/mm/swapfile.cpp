@@ -1,9 +1,15 @@
 // swapfile.cpp: the swap-file writer.
 #include "mm/swapfile.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 namespace mlx_pager {
 
@@ -14,8 +20,27 @@ SwapWriter::SwapWriter(
     bool want_direct)
     : file_(DirectFile::create_write(path, reserve_bytes, want_direct)), buf_(staging_bytes) {}
 
+namespace {
+std::atomic<std::int64_t> g_fail_writes_after{-1};
+}
+
+std::int64_t SwapWriter::fail_writes_after_for_testing(std::int64_t bytes) {
+  return g_fail_writes_after.exchange(bytes);
+}
+
+void SwapWriter::put(const char* src, std::size_t n, std::uint64_t offset) {
+  std::int64_t limit = g_fail_writes_after.load();
+  if (limit >= 0 && offset + n > static_cast<std::uint64_t>(limit)) {
+    throw std::system_error(
+        ENOSPC, std::generic_category(),
+        "[SwapWriter] pwrite(" + file_.path() + ", offset " + std::to_string(offset) +
+            ") [injected]");
+  }
+  file_.pwrite_full(src, n, offset);
+}
+
 void SwapWriter::flush_full() {
-  file_.pwrite_full(buf_.data(), buf_.size(), buf_offset_);
+  put(buf_.data(), buf_.size(), buf_offset_);
   buf_offset_ += buf_.size();
   fill_ = 0;
 }
@@ -68,7 +93,7 @@ std::uint64_t SwapWriter::finish() {
   pad_to(kIoAlign);
   if (fill_ > 0) {
     // fill_ is a multiple of kIoAlign here, as direct writes need.
-    file_.pwrite_full(buf_.data(), fill_, buf_offset_);
+    put(buf_.data(), fill_, buf_offset_);
     buf_offset_ += fill_;
     fill_ = 0;
   }
@@ -77,6 +102,46 @@ std::uint64_t SwapWriter::finish() {
   file_.drop_cache(0, pos_);
   finished_ = true;
   return pos_;
+}
+
+void rewrite_swap_range(
+    const std::string& path, std::uint64_t offset, const void* src, std::size_t n) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  auto fail = [&](const char* what) {
+    int err = errno;
+    if (fd >= 0) {
+      ::close(fd);
+    }
+    throw std::system_error(
+        err, std::generic_category(),
+        std::string("[rewrite_swap_range] ") + what + "(" + path + ", offset " +
+            std::to_string(offset) + ")");
+  };
+  if (fd < 0) {
+    fail("open");
+  }
+  const char* p = static_cast<const char*>(src);
+  std::size_t done = 0;
+  while (done < n) {
+    ssize_t k = ::pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (k < 0 && errno == EINTR) {
+      continue;
+    }
+    if (k <= 0) {
+      if (k == 0) {
+        errno = EIO;
+      }
+      fail("pwrite");
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  if (::fsync(fd) != 0) {
+    fail("fsync");
+  }
+#ifdef POSIX_FADV_DONTNEED
+  ::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(n), POSIX_FADV_DONTNEED);
+#endif
+  ::close(fd);
 }
 
 }  // namespace mlx_pager

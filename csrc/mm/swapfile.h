@@ -45,7 +45,12 @@ class SwapWriter {
   // syncs it to the device. Returns the file size.
   std::uint64_t finish();
 
+  // Test hook: while >= 0, writes that would reach past that many bytes of
+  // a swap file fail with ENOSPC, as on a full disk. Returns the old value.
+  static std::int64_t fail_writes_after_for_testing(std::int64_t bytes);
+
  private:
+  void put(const char* src, std::size_t n, std::uint64_t offset);
   void flush_full();
 
   DirectFile file_;
@@ -55,5 +60,11 @@ class SwapWriter {
   std::uint64_t pos_ = 0;         // logical end of what was written
   bool finished_ = false;
 };
+
+// Overwrites `n` bytes at `offset` of an existing swap file with `src` and
+// syncs them (a page rebuilt after its checksum failed: pager.h). Throws
+// std::system_error naming the file.
+void rewrite_swap_range(
+    const std::string& path, std::uint64_t offset, const void* src, std::size_t n);
 
 }  // namespace mlx_pager

@@ -16,6 +16,10 @@ struct VmStat {
   std::uint64_t readahead_reads = 0;      // pages whose read readahead started
   std::uint64_t evictions = 0;            // pages dropped to make room
   std::uint64_t read_errors = 0;          // page reads that failed
+  std::uint64_t io_retries = 0;           // chunk reads retried after an error
+  std::uint64_t checksum_errors = 0;      // page reads whose bytes did not match
+  std::uint64_t rereads = 0;              // pages read again after a mismatch
+  std::uint64_t pages_rebuilt = 0;        // pages rewritten from the model's files
   std::uint64_t pages_read = 0;           // page reads completed
   std::uint64_t bytes_read = 0;           // bytes transferred from files
   std::uint64_t io_wait_ns = 0;           // time acquire() spent blocked on reads

@@ -1,9 +1,13 @@
 // init_pager.cpp: binds TensorPager (the pager of mx.array pages) as Pager.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <cerrno>
+#include <optional>
 
 #include <mlx/array.h>
 
@@ -39,6 +43,10 @@ nb::dict stats_dict(const VmStat& s) {
   d["readahead_reads"] = s.readahead_reads;
   d["evictions"] = s.evictions;
   d["read_errors"] = s.read_errors;
+  d["io_retries"] = s.io_retries;
+  d["checksum_errors"] = s.checksum_errors;
+  d["rereads"] = s.rereads;
+  d["pages_rebuilt"] = s.pages_rebuilt;
   d["pages_read"] = s.pages_read;
   d["bytes_read"] = s.bytes_read;
   d["io_wait_s"] = s.io_wait_ns * 1e-9;
@@ -53,6 +61,17 @@ nb::dict stats_dict(const VmStat& s) {
   d["buffered_files"] = s.buffered_files;
   return d;
 }
+
+// A Python callable kept by C++: released with the GIL held, wherever the
+// last reference goes.
+struct PyCallable {
+  nb::object fn;
+  explicit PyCallable(nb::object f) : fn(std::move(f)) {}
+  ~PyCallable() {
+    nb::gil_scoped_acquire gil;
+    fn.reset();
+  }
+};
 
 }  // namespace
 
@@ -92,27 +111,32 @@ void init_pager(nb::module_& m) {
       .def(
           "add_page_in_place",
           [](TensorPager& tp, const std::string& name, const std::vector<InPlaceTensor>& tensors,
-             int priority) {
+             int priority, std::optional<std::uint64_t> checksum) {
             std::vector<FileTensor> ft;
             for (auto& [tname, path, offset, nbytes, dtype, shape] : tensors) {
               ft.push_back(FileTensor{
                   {tname, dtype, mx::Shape(shape.begin(), shape.end())}, path, offset, nbytes});
             }
-            return tp.add_page_in_place(name, ft, priority);
+            return tp.add_page_in_place(name, ft, priority, checksum ? &*checksum : nullptr);
           },
-          "name"_a, "tensors"_a, "priority"_a = 0,
-          "Registers a page read in place; tensors are (name, path, offset, nbytes, dtype, shape).")
+          "name"_a, "tensors"_a, "priority"_a = 0, "checksum"_a = nb::none(),
+          "Registers a page read in place; tensors are (name, path, offset, nbytes, dtype, "
+          "shape).\n"
+          "checksum: combine_digests of the tensors' XXH3s in this order; every read is verified.")
       .def(
           "add_page_from_swap",
           [](TensorPager& tp, const std::string& name, const std::string& swap_path,
-             std::uint64_t page_offset, const std::vector<SwapTensor>& tensors, int priority) {
+             std::uint64_t page_offset, const std::vector<SwapTensor>& tensors, int priority,
+             std::optional<std::uint64_t> checksum) {
             std::vector<TensorSpec> specs;
             for (auto& [tname, dtype, shape] : tensors) {
               specs.push_back(TensorSpec{tname, dtype, mx::Shape(shape.begin(), shape.end())});
             }
-            return tp.add_page_from_swap(name, swap_path, page_offset, specs, priority);
+            return tp.add_page_from_swap(
+                name, swap_path, page_offset, specs, priority, checksum ? &*checksum : nullptr);
           },
           "name"_a, "swap_path"_a, "page_offset"_a, "tensors"_a, "priority"_a = 0,
+          "checksum"_a = nb::none(),
           "Registers a page written by SwapWriter.write_page; tensors are (name, dtype, shape).")
       .def(
           "acquire",
@@ -171,5 +195,43 @@ void init_pager(nb::module_& m) {
           "page_bytes",
           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; },
           "page"_a, "Bytes of the page's frame in memory.")
-      .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); });
+      .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); })
+      .def(
+          "set_rebuild_hook",
+          [](TensorPager& tp, nb::object hook) {
+            if (hook.is_none()) {
+              tp.pager().set_rebuild_hook({});
+              return;
+            }
+            auto fn = std::make_shared<PyCallable>(std::move(hook));
+            tp.pager().set_rebuild_hook([fn](PageId id) {
+              nb::gil_scoped_acquire gil;
+              return nb::cast<bool>(fn->fn(id));
+            });
+          },
+          "hook"_a.none(),
+          "hook(page_id) -> bool, called when a page's bytes fail their checksum twice;\n"
+          "returns whether it rewrote them (the read is then tried again). None: no hook.")
+      .def(
+          "inject_faults",
+          [](TensorPager& tp, const std::string& kind, const std::string& path_contains, long skip,
+             long count, std::size_t length) {
+            if (kind == "none") {
+              tp.pager().set_fault_injector({});
+              return;
+            }
+            int err = 0;
+            if (kind == "eio") {
+              err = EIO;
+            } else if (kind != "short") {
+              throw std::invalid_argument(
+                  "[Pager.inject_faults] kind must be 'eio', 'short' or 'none', not '" + kind +
+                  "'");
+            }
+            tp.pager().set_fault_injector(fault_rule(path_contains, err, length, skip, count));
+          },
+          "kind"_a, "path_contains"_a = "", "skip"_a = 0, "count"_a = -1, "length"_a = 0,
+          "Test hook (page_io.h): chunk reads of files whose path contains path_contains fail:\n"
+          "the first `skip` pass, the next `count` (-1: all) fail with EIO ('eio') or are cut\n"
+          "to `length` bytes ('short'). 'none' removes it. Each chunk is tried 3 times.");
 }

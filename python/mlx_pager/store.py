@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .layers import BlockList, NotPageable, architecture
-from ._core import Pager, SwapWriter, combine_digests, read_safetensors_index, rewrite_swap_page, swap_page_bytes
+from ._core import Pager, SwapWriter, combine_digests, rewrite_swap_page, swap_page_bytes
 from . import swapcache
 
 RESIDENT_PAGE = "resident"

@@ -126,7 +126,7 @@ def test_unreadable_page_names_page_and_file(tmp_path):
     p = Pager(1 << 24, readahead=0)
     pid = in_place_page(p, "layers.7", path)
     os.truncate(path, 1000)  # the file is cut short after the pager planned it
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(OSError) as e:
         p.acquire(pid)
     assert "layers.7" in str(e.value) and "w.safetensors" in str(e.value)
     assert p.stats()["read_errors"] == 1
