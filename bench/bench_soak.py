@@ -29,9 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from mlx_pager import modelgen  # noqa: E402  (loads OpenBLAS before MLX)
-from mlx_pager.trainer import DEFAULTS  # noqa: E402
-from mlx_pager.trainer import run as paged_run  # noqa: E402
+from mlx_pager import modelgen
+from mlx_pager.trainer import DEFAULTS
+from mlx_pager.trainer import run as paged_run
 
 
 def fds() -> int:

@@ -33,13 +33,15 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
 
 from .budget import format_size
 
 FORMAT = 2  # bump when the entry layout changes
+_KEY = re.compile("[0-9a-f]{20}")  # an entry's directory name
 DEFAULT_CAP_BYTES = 64 << 30  # the cache's size cap when none is given
 _CAP_ENV = "MLX_PAGER_CACHE_MAX_BYTES"
 
@@ -84,7 +86,7 @@ def _private_dir(path: Path, what: str = "--ssd-cache-dir") -> Path:
     return path
 
 
-def _flock(path: Path, how: int) -> Optional[int]:
+def _flock(path: Path, how: int) -> int | None:
     """An fd holding flock `how` on `path` (created 0600); None when `how`
     has LOCK_NB and the lock is held elsewhere."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -99,7 +101,7 @@ def _flock(path: Path, how: int) -> Optional[int]:
     return fd
 
 
-def _unlock(fd: Optional[int]) -> None:
+def _unlock(fd: int | None) -> None:
     if fd is not None:
         try:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -107,7 +109,7 @@ def _unlock(fd: Optional[int]) -> None:
             os.close(fd)
 
 
-def release(fd: Optional[int]) -> None:
+def release(fd: int | None) -> None:
     """Ends a run's use of an entry (the fd SwapCache.entry returned)."""
     try:
         _unlock(fd)
@@ -126,7 +128,7 @@ def _write_json(path: Path, obj) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text), mode=0o600)
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -143,7 +145,7 @@ def _dir_bytes(d: Path) -> int:
     return n
 
 
-def hash_model_file(path: str, ranges: List[Tuple[int, int]]):
+def hash_model_file(path: str, ranges: list[tuple[int, int]]):
     """(file digest, [range digests]) of a model file, naming the file when
     it cannot be read or is shorter than its tensors."""
     from ._core import hash_file
@@ -163,14 +165,14 @@ class SwapCache:
     cache's entries may take together (default: $MLX_PAGER_CACHE_MAX_BYTES
     or 64 GiB); the entry in use is never removed, whatever its size."""
 
-    def __init__(self, root, cap_bytes: Optional[int] = None):
+    def __init__(self, root, cap_bytes: int | None = None):
         self.root = _private_dir(Path(root))
         if cap_bytes is None:
             cap_bytes = int(os.environ.get(_CAP_ENV, DEFAULT_CAP_BYTES))
         self.cap_bytes = cap_bytes
 
     # -------------------------------------------------------------- sources --
-    def source_digests(self, model_path: Path, files: Dict[str, Dict[str, Tuple[int, int]]]) -> Dict[str, dict]:
+    def source_digests(self, model_path: Path, files: dict[str, dict[str, tuple[int, int]]]) -> dict[str, dict]:
         """{file: {"digest": d, "tensors": {name: d}}} for `files` ({path:
         {tensor: (offset, nbytes)}}), from the record in sources/ where a
         file's stat identity is unchanged, else by hashing it (one pass)."""
@@ -253,7 +255,7 @@ class SwapCache:
                 f"{format_size(free)} free; free some space or choose another --ssd-cache-dir")
 
     @staticmethod
-    def _complete(manifest_path: Path, swap: Path) -> Optional[dict]:
+    def _complete(manifest_path: Path, swap: Path) -> dict | None:
         m = _read_json(manifest_path)
         if not m or m.get("complete") is not True or m.get("format") != FORMAT:
             return None
@@ -264,14 +266,16 @@ class SwapCache:
             return None
         return m
 
-    def clean(self, keep: str, model_path: Optional[Path] = None) -> List[str]:
+    def clean(self, keep: str, model_path: Path | None = None) -> list[str]:
         """Removes entries nobody uses: other keys of `model_path`, entries
         left unfinished, then the least recently used ones while the cache is
         over its cap. Returns the keys removed."""
         model = str(Path(model_path).resolve()) if model_path is not None else None
         entries = []
         for d in self.root.iterdir():
-            if d.name in (keep, "sources") or not d.is_dir() or not (d / "prepare.lock").exists():
+            # Only entries (20 hex digits; those of earlier versions too): the
+            # directory may hold other things.
+            if d.name == keep or not d.is_dir() or not _KEY.fullmatch(d.name):
                 continue
             m = self._complete(d / "manifest.json", d / "pages.swap")
             try:
@@ -349,9 +353,9 @@ def check_model_files(model_path) -> None:
         read_index(f)
 
 
-def tensor_ranges(index: Dict[str, tuple]) -> Dict[str, Dict[str, Tuple[int, int]]]:
+def tensor_ranges(index: dict[str, tuple]) -> dict[str, dict[str, tuple[int, int]]]:
     """{file: {tensor: (offset, nbytes)}} of store._safetensors_index's index."""
-    out: Dict[str, Dict[str, Tuple[int, int]]] = {}
+    out: dict[str, dict[str, tuple[int, int]]] = {}
     for name, (path, _, _, offset, nbytes) in index.items():
         out.setdefault(path, {})[name] = (offset, nbytes)
     return out
@@ -363,7 +367,7 @@ def _is_enospc(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "No space left on device" in str(e)
 
 
-def entry_key(model_path: Path, digests: Dict[str, dict], layout: List[Tuple[str, List[str]]], params) -> str:
+def entry_key(model_path: Path, digests: dict[str, dict], layout: list[tuple[str, list[str]]], params) -> str:
     """The entry key of a model's swap pages: its files' content, the pages'
     tensors (names, dtypes, shapes) and the versions that compute them."""
     import mlx.core as mx

@@ -18,7 +18,6 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
-
 from mlx_pager import _core, interrupt, swapcache
 from mlx_pager.store import PagedWeights
 from mlx_pager.trainer import DEFAULTS
@@ -209,10 +208,14 @@ def test_leftovers_of_killed_runs_are_cleaned(models, tmp_path):
     partial.mkdir()
     (partial / "prepare.lock").touch()
     (partial / ".pages.99999999.tmp.swap").write_bytes(b"x" * 10000)
+    legacy = cache / "fedcba9876543210fedc"  # an entry of an earlier version: no locks
+    legacy.mkdir()
+    (legacy / "pages.swap").write_bytes(b"x" * 10000)
+    (cache / "notes").mkdir()  # not an entry: left alone
     (cache / key / ".pages.99999999.tmp.swap").write_bytes(b"x" * 10000)
     (cache / key / "manifest.json").unlink()  # as if killed before the manifest
     w = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap")
-    assert entries(cache) == [key]
+    assert entries(cache) == sorted([key, "notes"])
     assert sorted(f.name for f in (cache / key).iterdir()) == ["manifest.json", "pages.swap", "prepare.lock",
                                                                "use.lock"]
     check_pages(w, path)
