@@ -528,10 +528,7 @@ def paged(path, num_layers: int, store: str = "in_place", cache_dir=None, dora: 
     mx.random.seed(0)
     linear_to_lora_layers(model, num_layers, lora, use_dora=dora)
     if dora:
-        try:  # where the trainer keeps it (session.py since the trainer's split)
-            from .session import init_dora_magnitudes
-        except ImportError:
-            from .trainer import _init_dora_magnitudes as init_dora_magnitudes
+        from .session import init_dora_magnitudes
 
         init_dora_magnitudes(model, w, first_trained_block(model))
     return model, w

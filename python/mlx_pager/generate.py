@@ -271,24 +271,14 @@ class PagedModel:
         pager = self.weights.pager
         before = pager.stats()
         tic = time.perf_counter()
-        calls: list = [None] * L
-        with S.stand_ins(model, lambda i, l: S._Record(l, i, calls)):
-            model(inputs, cache=cache, **kwargs)  # its logits are never evaluated
-        missing = [i for i, c in enumerate(calls) if c is None]
-        if missing:
-            raise NotImplementedError(
-                f"the model did not call blocks {missing} of model.layers in its forward pass; "
-                "mlx-pager pages models that call their blocks in order"
-            )
-        h = calls[0][0]
+        # Each block's call arguments (mask, its own KV cache); the logits of
+        # this recording pass are never evaluated.
+        h, calls = S.record_calls(model, inputs, per_block_state=True, cache=cache, **kwargs)
         for i in range(L):
-            _, args, kw = calls[i]
-            self.weights.bind(i)
-            try:
+            args, kw = calls[i]
+            with self.weights.bound(i):
                 h = S.run_block(self.blocks[i], h, (args, kw))
                 mx.eval(h, _cache_arrays(args, kw))
-            finally:
-                self.weights.unbind(i)
             del args, kw
             calls[i] = None
             self.gov.check()

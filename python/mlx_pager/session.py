@@ -164,13 +164,10 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
         doras = [m for _, m in model.layers[i].named_modules() if isinstance(m, DoRALinear)]
         if not doras:
             continue
-        weights.bind(i)
-        try:
+        with weights.bound(i):
             for d in doras:
                 d.m = mx.linalg.norm(d._dequantized_weight().astype(mx.float32), axis=1)
             mx.eval([d.m for d in doras])
-        finally:
-            weights.unbind(i)
 
 
 def open_session(

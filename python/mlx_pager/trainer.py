@@ -34,7 +34,7 @@ from . import blas, checks, files, interrupt, loop, resume
 from .budget import BudgetError, MemoryPlan
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
 from .governor import return_freed_memory_to_os
-from .session import default_budget, init_dora_magnitudes, load_lazy, model_path_of, open_session  # noqa: F401
+from .session import load_lazy, open_session
 
 # mlx_lm.lora's defaults, plus mlx-pager's own options.
 DEFAULTS = {
@@ -355,6 +355,3 @@ def evaluate_model(args, s, test_set, cb: PagerCallback) -> float:
         loss = loop.evaluate(s, test_set, args.test_batches, cb, advance)
     cb.on_message(f"Test loss {loss:.3f}, Test ppl {math.exp(loss):.3f}.")
     return loss
-
-
-_init_dora_magnitudes = init_dora_magnitudes  # old name, still imported by tests/python/test_step.py
