@@ -375,9 +375,12 @@ class Blocks:
     from then on (``uncompiled`` lists those blocks and why)."""
 
     def __init__(self, model: nn.Module, compile: bool = True):
+        from .segment import Tail
+
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
+        self.tail = Tail(model, compile)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
         """fn(*args) compiled; None when the block cannot be compiled (the
@@ -488,8 +491,6 @@ def paged_value_and_grad(
     an empty dict gets "block_act_bytes", MLX's peak memory for one trained
     block's forward + vjp on the first micro-batch (it resets MLX's peak).
     """
-    from . import segment
-
     L = len(model.layers)
     first = first_trained_block(model)
     s_tail = L if tail_start is None else max(first, min(L, tail_start))
@@ -528,11 +529,11 @@ def paged_value_and_grad(
         with weights.bound(*range(s_tail, L)):
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
-                loss, g_h, g_blocks = segment.tail_value_and_grad(
-                    model, s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes)
+                loss, g_h, g_blocks = blocks.tail.value_and_grad(
+                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes)
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
-                mx.eval(loss, g_h, tail_grads)
+                mx.eval(loss, tail_grads, [] if g_h is None else g_h)
                 losses.append(loss)
                 ntoks.append(mb.ntoks)
                 cots.append(g_h)
