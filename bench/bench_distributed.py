@@ -33,11 +33,37 @@ from mlx_pager import modelgen
 
 def run(n: int, model: Path, data: Path, batch: int, steps: int, budget: str, work: Path) -> dict:
     report = work / f"report-{n}.jsonl"
-    cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", "--model", str(model), "--train", "--data", str(data),
-           "--iters", str(steps), "--batch-size", str(batch), "--num-layers", "4", "--steps-per-report", "1",
-           "--steps-per-eval", str(10**6), "--max-seq-length", "256", "--memory-budget", budget,
-           "--ssd-cache-dir", str(work / f"cache-{n}"), "--adapter-path", str(work / f"ad-{n}"),
-           "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_pager.cli",
+        "lora",
+        "--model",
+        str(model),
+        "--train",
+        "--data",
+        str(data),
+        "--iters",
+        str(steps),
+        "--batch-size",
+        str(batch),
+        "--num-layers",
+        "4",
+        "--steps-per-report",
+        "1",
+        "--steps-per-eval",
+        str(10**6),
+        "--max-seq-length",
+        "256",
+        "--memory-budget",
+        budget,
+        "--ssd-cache-dir",
+        str(work / f"cache-{n}"),
+        "--adapter-path",
+        str(work / f"ad-{n}"),
+        "--report",
+        str(report),
+    ]
     if n > 1:
         launch = Path(sys.executable).parent / "mlx.launch"
         cmd = [str(launch), "-n", str(n), "--backend", "ring", "--", *cmd]
@@ -61,18 +87,33 @@ def main():
     p.add_argument("--work", default=None, help="Work directory (default: a temporary one).")
     a = p.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="bench-dist-"))
-    spec = modelgen.ModelSpec(arch="llama", hidden_size=1024, num_hidden_layers=12, intermediate_size=4096,
-                              num_attention_heads=16, num_key_value_heads=4, vocab_size=1024, dtype="float32",
-                              bits=None, seed=0)
+    spec = modelgen.ModelSpec(
+        arch="llama",
+        hidden_size=1024,
+        num_hidden_layers=12,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        dtype="float32",
+        bits=None,
+        seed=0,
+    )
     model = modelgen.generate_model(work / "model", spec)
-    print(f"model {modelgen.weight_bytes(model) / 1e9:.2f} GB, per-rank budget {a.budget}, "
-          f"batch {a.batch_per_rank} per rank, {a.steps} steps")
-    rows = [run(1, model, modelgen.SAMPLE_DATA, a.batch_per_rank, a.steps, a.budget, work),
-            run(2, model, modelgen.SAMPLE_DATA, 2 * a.batch_per_rank, a.steps, a.budget, work)]
+    print(
+        f"model {modelgen.weight_bytes(model) / 1e9:.2f} GB, per-rank budget {a.budget}, "
+        f"batch {a.batch_per_rank} per rank, {a.steps} steps"
+    )
+    rows = [
+        run(1, model, modelgen.SAMPLE_DATA, a.batch_per_rank, a.steps, a.budget, work),
+        run(2, model, modelgen.SAMPLE_DATA, 2 * a.batch_per_rank, a.steps, a.budget, work),
+    ]
     print(f"{'ranks':>5} {'batch':>5} {'step s':>8} {'tokens/s':>9} {'vs 1 rank':>9}")
     for r in rows:
-        print(f"{r['ranks']:>5} {r['batch']:>5} {r['step_s']:>8.2f} {r['tokens_per_s']:>9.1f} "
-              f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:>8.2f}x")
+        print(
+            f"{r['ranks']:>5} {r['batch']:>5} {r['step_s']:>8.2f} {r['tokens_per_s']:>9.1f} "
+            f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:>8.2f}x"
+        )
     if a.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

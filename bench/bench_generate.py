@@ -32,8 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-PROMPT = ("The pager keeps the frozen weights on the SSD and reads each block when the "
-          "forward pass needs it, while the adapters stay resident. ") * 6
+PROMPT = (
+    "The pager keeps the frozen weights on the SSD and reads each block when the "
+    "forward pass needs it, while the adapters stay resident. "
+) * 6
 
 
 def vm_hwm() -> int:
@@ -49,26 +51,35 @@ def worker(cfg: dict) -> dict:
 
     if cfg["kind"] == "mlx-lm":
         model, tok = mlx_lm.load(cfg["model"])
-        t0, first, n = time.perf_counter(), None, 0
-        for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=cfg["tokens"]):
+        first, n = None, 0
+        for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=cfg["tokens"]):  # noqa: B007 (r: below)
             if first is None:
                 first = time.perf_counter()
             n += 1
         dt = time.perf_counter() - first
-        return {"decode_s_per_token": dt / max(1, n - 1), "prefill_tps": r.prompt_tps,
-                "peak_rss": vm_hwm(), "decode_bytes_per_token": 0}
+        return {
+            "decode_s_per_token": dt / max(1, n - 1),
+            "prefill_tps": r.prompt_tps,
+            "peak_rss": vm_hwm(),
+            "decode_bytes_per_token": 0,
+        }
     from mlx_pager.generate import load_paged, measure_read_rate
 
     if cfg["kind"] == "read":
-        paged, _ = load_paged(cfg["model"], ssd_cache_dir=cfg["cache"], page_budget=cfg["page_budget"],
-                              readahead=0)
+        paged, _ = load_paged(cfg["model"], ssd_cache_dir=cfg["cache"], page_budget=cfg["page_budget"], readahead=0)
         rate = max(measure_read_rate(paged.weights, max_bytes=1 << 40) for _ in range(2))
         return {"read_rate": rate}
-    paged, tok = load_paged(cfg["model"], ssd_cache_dir=cfg["cache"], page_budget=cfg["page_budget"],
-                            readahead=cfg.get("readahead"), readahead_mode=cfg.get("mode", "conservative"))
+    paged, tok = load_paged(
+        cfg["model"],
+        ssd_cache_dir=cfg["cache"],
+        page_budget=cfg["page_budget"],
+        readahead=cfg.get("readahead"),
+        readahead_mode=cfg.get("mode", "conservative"),
+    )
     mx.random.seed(0)
-    for r in mlx_lm.stream_generate(paged, tok, PROMPT, max_tokens=cfg["tokens"],
-                                    prefill_step_size=paged.prefill_chunk):
+    for r in mlx_lm.stream_generate(  # noqa: B007 (the last response is read below)
+        paged, tok, PROMPT, max_tokens=cfg["tokens"], prefill_step_size=paged.prefill_chunk
+    ):
         pass
     s = paged.summary(skip=2)
     s["prefill_tps"] = r.prompt_tps
@@ -83,8 +94,12 @@ def run_worker(cfg: dict) -> dict:
     lib = openblas_path()
     if lib and lib not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = lib
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -116,10 +131,18 @@ def main():
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = modelgen.ModelSpec(arch="llama", hidden_size=a.hidden_size, num_hidden_layers=a.layers,
-                              intermediate_size=4 * a.hidden_size, num_attention_heads=a.hidden_size // 64,
-                              num_key_value_heads=max(1, a.hidden_size // 256), vocab_size=1024,
-                              dtype="float32", bits=None, seed=0)
+    spec = modelgen.ModelSpec(
+        arch="llama",
+        hidden_size=a.hidden_size,
+        num_hidden_layers=a.layers,
+        intermediate_size=4 * a.hidden_size,
+        num_attention_heads=a.hidden_size // 64,
+        num_key_value_heads=max(1, a.hidden_size // 256),
+        vocab_size=1024,
+        dtype="float32",
+        bits=None,
+        seed=0,
+    )
     model = modelgen.generate_model(out / f"model-{spec.key()}", spec)
     files = sorted(model.glob("model*.safetensors"))
     from mlx_pager.generate import load_paged
@@ -129,8 +152,10 @@ def main():
     paged_bytes = probe.weights.paged_bytes
     del probe
     base = dict(model=str(model), cache=str(out / "cache"), tokens=a.tokens)
-    print(f"model: {a.layers} blocks x {format_size(max(pages))}, {format_size(paged_bytes)} paged; "
-          f"{a.tokens} tokens after a {len(PROMPT.split())}-word prompt")
+    print(
+        f"model: {a.layers} blocks x {format_size(max(pages))}, {format_size(paged_bytes)} paged; "
+        f"{a.tokens} tokens after a {len(PROMPT.split())}-word prompt"
+    )
 
     reads = [run_worker(dict(base, kind="read", page_budget=max(pages)))["read_rate"]]
     dd = [dd_rate(files)]
@@ -138,8 +163,12 @@ def main():
     for frac in (1.0, 0.5, 0.25):
         configs.append((f"pager {int(frac * 100)}%", dict(kind="pager", page_budget=int(frac * sum(pages)) + 4096)))
     for frac in (0.5, 0.25):
-        configs.append((f"aggr {int(frac * 100)}%", dict(kind="pager", page_budget=int(frac * sum(pages)) + 4096,
-                                                       mode="aggressive")))
+        configs.append(
+            (
+                f"aggr {int(frac * 100)}%",
+                dict(kind="pager", page_budget=int(frac * sum(pages)) + 4096, mode="aggressive"),
+            )
+        )
     configs.append(("naive", dict(kind="pager", page_budget=max(pages), readahead=0)))
     results = {}
     for name, cfg in configs:
@@ -151,11 +180,15 @@ def main():
     R = max(reads)
     compute = results["mlx-lm"]["decode_s_per_token"]
     naive = results["naive"]["decode_s_per_token"]
-    print(f"\nR (pager whole-page direct reads, best of before/after): {format_size(R)}/s "
-          f"[{', '.join(format_size(r) for r in reads)}]; dd iflag=direct: "
-          f"{', '.join(format_size(r) for r in dd)}/s; resident decode {compute:.4f} s/token\n")
-    hdr = ("| config | decode tok/s | s/token | MB read/token | vs MIN | bound s/token | vs bound | "
-           "vs naive | prefill tok/s | peak RSS |")
+    print(
+        f"\nR (pager whole-page direct reads, best of before/after): {format_size(R)}/s "
+        f"[{', '.join(format_size(r) for r in reads)}]; dd iflag=direct: "
+        f"{', '.join(format_size(r) for r in dd)}/s; resident decode {compute:.4f} s/token\n"
+    )
+    hdr = (
+        "| config | decode tok/s | s/token | MB read/token | vs MIN | bound s/token | vs bound | "
+        "vs naive | prefill tok/s | peak RSS |"
+    )
     print(hdr)
     print("|" + "---|" * 10)
     rows = []
@@ -163,19 +196,24 @@ def main():
         r = results[name]
         s = r["decode_s_per_token"]
         if name == "mlx-lm":
-            print(f"| {name} | {1 / s:.2f} | {s:.4f} | 0 | | | | {naive / s:.2f} | {r['prefill_tps']:.1f} | "
-                  f"{format_size(r['peak_rss'])} |")
+            print(
+                f"| {name} | {1 / s:.2f} | {s:.4f} | 0 | | | | {naive / s:.2f} | {r['prefill_tps']:.1f} | "
+                f"{format_size(r['peak_rss'])} |"
+            )
             continue
         mn = r["min_bytes_per_token"]
         bound = max(mn / R, compute)
         vs_min = r["decode_bytes_per_token"] / mn if mn else (1.0 if r["decode_bytes_per_token"] == 0 else float("inf"))
         row = dict(name=name, **r, bound_s_per_token=bound, vs_bound=s / bound, vs_naive=naive / s, vs_min=vs_min)
         rows.append(row)
-        print(f"| {name} | {1 / s:.2f} | {s:.4f} | {r['decode_bytes_per_token'] / 1e6:.1f} | {vs_min:.2f} | "
-              f"{bound:.4f} | {s / bound:.2f} | {naive / s:.2f} | {r['prefill_tps']:.1f} | "
-              f"{format_size(r['peak_rss'])} |")
-    (out / "results.json").write_text(json.dumps(dict(read_rates=reads, dd_rates=dd, results=results,
-                                                       rows=rows), indent=2))
+        print(
+            f"| {name} | {1 / s:.2f} | {s:.4f} | {r['decode_bytes_per_token'] / 1e6:.1f} | {vs_min:.2f} | "
+            f"{bound:.4f} | {s / bound:.2f} | {naive / s:.2f} | {r['prefill_tps']:.1f} | "
+            f"{format_size(r['peak_rss'])} |"
+        )
+    (out / "results.json").write_text(
+        json.dumps(dict(read_rates=reads, dd_rates=dd, results=results, rows=rows), indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -64,14 +64,20 @@ def build_pager(kind, files, swap_path, budget_pages, readahead, policy="optimal
     if kind == "in_place":
         for pg in pages:
             names = sorted(n for n in index if n.startswith(pg + "."))
-            ids.append(p.add_page_in_place(pg, [(n, index[n][0], index[n][3], index[n][4], index[n][1],
-                                                 list(index[n][2])) for n in names]))
+            ids.append(
+                p.add_page_in_place(
+                    pg, [(n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2])) for n in names]
+                )
+            )
     else:
         offsets = json.loads((swap_path.with_suffix(".json")).read_text())
         for pg in pages:
             names = sorted(n for n in index if n.startswith(pg + "."))
-            ids.append(p.add_page_from_swap(pg, str(swap_path), offsets[pg],
-                                            [(n, index[n][1], list(index[n][2])) for n in names]))
+            ids.append(
+                p.add_page_from_swap(
+                    pg, str(swap_path), offsets[pg], [(n, index[n][1], list(index[n][2])) for n in names]
+                )
+            )
     footprint = max(p.page_bytes(i) for i in ids) + IO_ALIGN
     p.set_budget(budget_pages * footprint)
     return p, ids
@@ -84,8 +90,9 @@ def write_swap(files, swap_path: Path):
     for f in files:
         loaded.update(mx.load(str(f)))
     pages = sorted({n.rsplit(".", 1)[0] for n in loaded}, key=lambda s: int(s.split(".")[1]))
-    total = sum(swap_page_bytes([loaded[n].nbytes for n in sorted(k for k in loaded if k.startswith(pg + "."))])
-                for pg in pages)
+    total = sum(
+        swap_page_bytes([loaded[n].nbytes for n in sorted(k for k in loaded if k.startswith(pg + "."))]) for pg in pages
+    )
     w = SwapWriter(str(swap_path), total)
     offsets = {}
     for pg in pages:
@@ -142,8 +149,7 @@ def run_pager(p, ids, steps):
 def run_dd(files):
     total, t = 0, time.perf_counter()
     for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"],
-                       check=True, capture_output=True)
+        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
         total += f.stat().st_size
     return total / (time.perf_counter() - t)
 
@@ -164,12 +170,14 @@ def main():
     write_swap(files, swap)
     k = max(2, n_pages // 4)
     total = sum(f.stat().st_size for f in files)
-    print(f"{n_pages} pages of {a.page_mb}MB ({total / 1e9:.2f}GB in {len(files)} MLX-written files), "
-          f"budget {k} pages, forward+backward schedule x{a.steps}")
+    print(
+        f"{n_pages} pages of {a.page_mb}MB ({total / 1e9:.2f}GB in {len(files)} MLX-written files), "
+        f"budget {k} pages, forward+backward schedule x{a.steps}"
+    )
     pagers = {kind: build_pager(kind, files, swap, k, readahead=4) for kind in ("in_place", "swap")}
     bw = {"dd": [], "in_place": [], "swap": []}
     reads = {}
-    for r in range(a.rounds):
+    for _r in range(a.rounds):
         bw["dd"].append(run_dd(files))
         for kind, (p, ids) in pagers.items():
             rate, pages_read, seq = run_pager(p, ids, a.steps)
@@ -183,13 +191,24 @@ def main():
     print(f"{'':10} {'GB/s (median of ' + str(a.rounds) + ')':>22} {'vs dd':>7} {'pages read':>11} {'vs Belady':>10}")
     print(f"{'dd direct':10} {med['dd'] / 1e9:>22.2f} {1.0:>7.2f}")
     for kind in ("in_place", "swap"):
-        print(f"{kind:10} {med[kind] / 1e9:>22.2f} {med[kind] / med['dd']:>7.2f} {reads[kind]:>11} "
-              f"{reads[kind] / minimum:>10.2f}")
+        print(
+            f"{kind:10} {med[kind] / 1e9:>22.2f} {med[kind] / med['dd']:>7.2f} {reads[kind]:>11} "
+            f"{reads[kind] / minimum:>10.2f}"
+        )
     print(f"{'Belady':10} {'':>22} {'':>7} {minimum:>11} {1.0:>10.2f}")
-    print(f"{'lru':10} {'':>22} {'':>7} {lru_read:>11} {lru_read / minimum:>10.2f}   "
-          f"(simulated LRU: {lru_loads(seq, k)})")
-    out = {"bandwidth_Bps": bw, "median_Bps": med, "pages_read": reads, "belady": minimum,
-           "lru": lru_read, "pages": n_pages, "page_mb": a.page_mb, "budget_pages": k}
+    print(
+        f"{'lru':10} {'':>22} {'':>7} {lru_read:>11} {lru_read / minimum:>10.2f}   (simulated LRU: {lru_loads(seq, k)})"
+    )
+    out = {
+        "bandwidth_Bps": bw,
+        "median_Bps": med,
+        "pages_read": reads,
+        "belady": minimum,
+        "lru": lru_read,
+        "pages": n_pages,
+        "page_mb": a.page_mb,
+        "budget_pages": k,
+    }
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 

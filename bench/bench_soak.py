@@ -61,8 +61,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     a = ap.parse_args()
     out = Path(a.out).resolve()
-    spec = modelgen.ModelSpec(arch="llama", bits=None, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                              intermediate_size=4 * a.hidden, num_attention_heads=4, num_key_value_heads=4)
+    spec = modelgen.ModelSpec(
+        arch="llama",
+        bits=None,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        intermediate_size=4 * a.hidden,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     model = modelgen.generate_model(out / f"model-{spec.key()}", spec)
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -77,10 +84,25 @@ def main() -> None:
         paged += sum(t[3] for n, t in tensors.items() if ".layers." in n)
 
     def run(steps, adapters):
-        args = dict(DEFAULTS, model=str(model), data=str(data), train=True, iters=steps, batch_size=2,
-                    num_layers=a.layers, learning_rate=1e-4, steps_per_report=50, steps_per_eval=10 ** 9,
-                    save_every=10 ** 9, seed=0, adapter_path=str(out / adapters), ssd_cache_dir=str(out / "cache"),
-                    store="swap", page_budget=int(paged * a.fraction), quiet=True)
+        args = dict(
+            DEFAULTS,
+            model=str(model),
+            data=str(data),
+            train=True,
+            iters=steps,
+            batch_size=2,
+            num_layers=a.layers,
+            learning_rate=1e-4,
+            steps_per_report=50,
+            steps_per_eval=10**9,
+            save_every=10**9,
+            seed=0,
+            adapter_path=str(out / adapters),
+            ssd_cache_dir=str(out / "cache"),
+            store="swap",
+            page_budget=int(paged * a.fraction),
+            quiet=True,
+        )
         return paged_run(types.SimpleNamespace(**args))
 
     gc.collect()
@@ -98,14 +120,20 @@ def main() -> None:
     k = slope(xs, rss)
     st = res.pager_stats
     report = {
-        "steps": len(res.steps), "paged_bytes": paged, "page_budget": int(paged * a.fraction),
-        "rss_first_mb": rss[0] / 2 ** 20, "rss_last_mb": rss[-1] / 2 ** 20,
-        "rss_slope_bytes_per_step": k, "rss_slope_mb_per_100_steps": k * 100 / 2 ** 20,
-        "peak_rss_mb": res.peak_rss / 2 ** 20,
+        "steps": len(res.steps),
+        "paged_bytes": paged,
+        "page_budget": int(paged * a.fraction),
+        "rss_first_mb": rss[0] / 2**20,
+        "rss_last_mb": rss[-1] / 2**20,
+        "rss_slope_bytes_per_step": k,
+        "rss_slope_mb_per_100_steps": k * 100 / 2**20,
+        "peak_rss_mb": res.peak_rss / 2**20,
         "fds_before_after_again": [before[0], after[0], again[0]],
         "threads_before_after_again": [before[1], after[1], again[1]],
-        "pages_read": st["pages_read"], "bytes_read_gb": st["bytes_read"] / 1e9,
-        "io_retries": st["io_retries"], "checksum_errors": st["checksum_errors"],
+        "pages_read": st["pages_read"],
+        "bytes_read_gb": st["bytes_read"] / 1e9,
+        "io_retries": st["io_retries"],
+        "checksum_errors": st["checksum_errors"],
         "loss_first_last": [res.steps[0]["loss"], res.steps[-1]["loss"]],
         "step_s_median": sorted(s["step_s"] for s in res.steps)[len(res.steps) // 2],
     }

@@ -39,13 +39,27 @@ HERE = Path(__file__).resolve().parent
 
 SHAPES = {
     # Long sequences, narrow layers: compute per block dwarfs its read.
-    "compute": dict(spec=dict(hidden_size=512, num_hidden_layers=8, intermediate_size=2048,
-                              num_attention_heads=8, num_key_value_heads=8),
-                    batch_size=2, seq_len=512, num_layers=8),
+    "compute": dict(
+        spec=dict(
+            hidden_size=512, num_hidden_layers=8, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=8
+        ),
+        batch_size=2,
+        seq_len=512,
+        num_layers=8,
+    ),
     # Short sequences, wide layers: reading a block takes longer than using it.
-    "read": dict(spec=dict(hidden_size=2048, num_hidden_layers=8, intermediate_size=5632,
-                           num_attention_heads=16, num_key_value_heads=16),
-                 batch_size=1, seq_len=16, num_layers=4),
+    "read": dict(
+        spec=dict(
+            hidden_size=2048,
+            num_hidden_layers=8,
+            intermediate_size=5632,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+        ),
+        batch_size=1,
+        seq_len=16,
+        num_layers=4,
+    ),
 }
 FRACTIONS = [1.0, 0.5, 0.25, 0.1]
 
@@ -83,15 +97,25 @@ def worker(cfg: dict) -> dict:
 
 
 def common_args(cfg):
-    return dict(model=cfg["model"], data=cfg["data"], train=True, iters=cfg["steps"],
-                batch_size=cfg["batch_size"], max_seq_length=cfg["seq_len"],
-                num_layers=cfg["num_layers"], steps_per_report=1, steps_per_eval=10**9,
-                save_every=10**9, val_batches=1, seed=0, learning_rate=1e-5,
-                adapter_path=cfg["adapter_path"])
+    return dict(
+        model=cfg["model"],
+        data=cfg["data"],
+        train=True,
+        iters=cfg["steps"],
+        batch_size=cfg["batch_size"],
+        max_seq_length=cfg["seq_len"],
+        num_layers=cfg["num_layers"],
+        steps_per_report=1,
+        steps_per_eval=10**9,
+        save_every=10**9,
+        val_batches=1,
+        seed=0,
+        learning_rate=1e-5,
+        adapter_path=cfg["adapter_path"],
+    )
 
 
 def worker_mlx_lm(cfg):
-    import mlx.core as mx
     import mlx_lm
     from mlx_lm.lora import CONFIG_DEFAULTS, train_model
     from mlx_lm.tuner.callbacks import TrainingCallback
@@ -108,8 +132,10 @@ def worker_mlx_lm(cfg):
             reports.append(dict(info, t=time.perf_counter()))
 
     train_model(args, model, train, valid, CB())
-    steps = [{"step_s": 1 / r["iterations_per_second"], "tokens_per_s": r["tokens_per_second"],
-              "loss": r["train_loss"]} for r in reports]
+    steps = [
+        {"step_s": 1 / r["iterations_per_second"], "tokens_per_s": r["tokens_per_second"], "loss": r["train_loss"]}
+        for r in reports
+    ]
     return {"steps": steps, "peak_rss": vm_hwm(), "mlx_peak": max(r["peak_memory"] for r in reports) * 1e9}
 
 
@@ -120,18 +146,42 @@ def worker_pager(cfg):
     report.parent.mkdir(parents=True, exist_ok=True)
     if report.exists():
         report.unlink()
-    args = dict(DEFAULTS, **common_args(cfg), page_budget=cfg["page_budget"],
-                readahead=cfg["readahead"], policy=cfg["policy"], report=str(report), quiet=True,
-                ssd_cache_dir=cfg["cache"], readahead_mode=cfg.get("readahead_mode", "conservative"))
+    args = dict(
+        DEFAULTS,
+        **common_args(cfg),
+        page_budget=cfg["page_budget"],
+        readahead=cfg["readahead"],
+        policy=cfg["policy"],
+        report=str(report),
+        quiet=True,
+        ssd_cache_dir=cfg["cache"],
+        readahead_mode=cfg.get("readahead_mode", "conservative"),
+    )
     res = run(types.SimpleNamespace(**args))
-    steps = [{"step_s": s["step_s"], "tokens_per_s": s["tokens"] / s["step_s"], "loss": s["loss"],
-              "bytes_read": s["bytes_read"], "io_wait_s": s["io_wait_s"], "pages_read": s["pages_read"],
-              "mlx_peak": s["mlx_peak_bytes"]} for s in res.steps]
+    steps = [
+        {
+            "step_s": s["step_s"],
+            "tokens_per_s": s["tokens"] / s["step_s"],
+            "loss": s["loss"],
+            "bytes_read": s["bytes_read"],
+            "io_wait_s": s["io_wait_s"],
+            "pages_read": s["pages_read"],
+            "mlx_peak": s["mlx_peak_bytes"],
+        }
+        for s in res.steps
+    ]
     p = res.plan
-    return {"steps": steps, "peak_rss": vm_hwm(), "mlx_peak": max(s["mlx_peak"] for s in steps),
-            "budget": p.budget, "page_budget": p.page_budget, "page_footprint": p.max_page,
-            "page_footprints": res.page_footprints,
-            "report": str(report), "governor": res.governor_events}
+    return {
+        "steps": steps,
+        "peak_rss": vm_hwm(),
+        "mlx_peak": max(s["mlx_peak"] for s in steps),
+        "budget": p.budget,
+        "page_budget": p.page_budget,
+        "page_footprint": p.max_page,
+        "page_footprints": res.page_footprints,
+        "report": str(report),
+        "governor": res.governor_events,
+    }
 
 
 # ------------------------------------------------------------- orchestrator --
@@ -142,8 +192,12 @@ def run_worker(cfg: dict) -> dict:
     lib = openblas_path()
     if lib and lib not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = lib
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -220,11 +274,20 @@ def bench_one(name, shape, a, out_dir):
     W = modelgen.weight_bytes(model)
     L = shape["spec"]["num_hidden_layers"]
     first = L - shape["num_layers"]
-    base = dict(model=str(model), data=str(data), steps=a.steps, batch_size=shape["batch_size"],
-                seq_len=shape["seq_len"], num_layers=shape["num_layers"], cache=str(out_dir / "swap"))
-    print(f"\n== shape '{name}': {L} blocks, {W / 1e9:.2f}GB float32 weights, batch "
-          f"{shape['batch_size']} x {shape['seq_len']} tokens, LoRA on the last {shape['num_layers']} blocks",
-          flush=True)
+    base = dict(
+        model=str(model),
+        data=str(data),
+        steps=a.steps,
+        batch_size=shape["batch_size"],
+        seq_len=shape["seq_len"],
+        num_layers=shape["num_layers"],
+        cache=str(out_dir / "swap"),
+    )
+    print(
+        f"\n== shape '{name}': {L} blocks, {W / 1e9:.2f}GB float32 weights, batch "
+        f"{shape['batch_size']} x {shape['seq_len']} tokens, LoRA on the last {shape['num_layers']} blocks",
+        flush=True,
+    )
     R = [dd_bandwidth(files)]
     results = {}
 
@@ -247,8 +310,14 @@ def bench_one(name, shape, a, out_dir):
     R.append(dd_bandwidth(files))
     for f in FRACTIONS[1:]:
         budget = max(int(f * paged), footprint)
-        go(f"aggr {int(f * 100)}%", kind="pager", page_budget=budget, readahead=4, policy="optimal",
-           readahead_mode="aggressive")
+        go(
+            f"aggr {int(f * 100)}%",
+            kind="pager",
+            page_budget=budget,
+            readahead=4,
+            policy="optimal",
+            readahead_mode="aggressive",
+        )
     go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru")
     R.append(dd_bandwidth(files))
     R_med = statistics.median(R)
@@ -260,8 +329,14 @@ def bench_one(name, shape, a, out_dir):
     for cfg_name, r in results.items():
         st = median_after_first([s["step_s"] for s in r["steps"]])
         tps = median_after_first([s["tokens_per_s"] for s in r["steps"]])
-        row = {"config": cfg_name, "step_s": st, "tokens_per_s": tps, "peak_rss": r["peak_rss"],
-               "mlx_peak": r["mlx_peak"], "vs_resident": tps / resident_tps}
+        row = {
+            "config": cfg_name,
+            "step_s": st,
+            "tokens_per_s": tps,
+            "peak_rss": r["peak_rss"],
+            "mlx_peak": r["mlx_peak"],
+            "vs_resident": tps / resident_tps,
+        }
         if "page_budget" in r:
             # Pages differ a little in size (in-place pages read through small
             # gaps), so MIN is counted in pages and priced at the mean page read.
@@ -273,27 +348,50 @@ def bench_one(name, shape, a, out_dir):
             page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else 0
             io = median_after_first([s["io_wait_s"] for s in r["steps"]])
             bound = max(min_pages * page_read / R_med, compute)
-            row.update(budget=r["budget"], page_budget=r["page_budget"], k_pages=round(k, 2),
-                       pages_per_step=pages_step, belady_pages=min_pages,
-                       bytes_per_step=bytes_step, belady_bytes=min_pages * page_read,
-                       vs_belady=pages_step / min_pages if min_pages else (1.0 if pages_step == 0 else float("inf")),
-                       io_wait_s=io, bound_s=bound, vs_bound=st / bound, vs_naive=tps / naive_tps,
-                       report=r.get("report"))
+            row.update(
+                budget=r["budget"],
+                page_budget=r["page_budget"],
+                k_pages=round(k, 2),
+                pages_per_step=pages_step,
+                belady_pages=min_pages,
+                bytes_per_step=bytes_step,
+                belady_bytes=min_pages * page_read,
+                vs_belady=pages_step / min_pages if min_pages else (1.0 if pages_step == 0 else float("inf")),
+                io_wait_s=io,
+                bound_s=bound,
+                vs_bound=st / bound,
+                vs_naive=tps / naive_tps,
+                report=r.get("report"),
+            )
         rows.append(row)
 
     print(f"   disk (dd iflag=direct): {R_med / 1e9:.2f} GB/s; resident compute {compute:.2f}s/step")
-    hdr = (f"   {'config':<12} {'step s':>7} {'tok/s':>8} {'vs res':>6} {'peak RSS':>9} {'MLX peak':>9} "
-           f"{'GB/step':>8} {'vs MIN':>6} {'I/O s':>6} {'bound s':>7} {'vs bnd':>6} {'vs naive':>8}")
+    hdr = (
+        f"   {'config':<12} {'step s':>7} {'tok/s':>8} {'vs res':>6} {'peak RSS':>9} {'MLX peak':>9} "
+        f"{'GB/step':>8} {'vs MIN':>6} {'I/O s':>6} {'bound s':>7} {'vs bnd':>6} {'vs naive':>8}"
+    )
     print(hdr)
     for row in rows:
-        line = (f"   {row['config']:<12} {row['step_s']:>7.2f} {row['tokens_per_s']:>8.1f} "
-                f"{row['vs_resident']:>6.2f} {row['peak_rss'] / 1e9:>8.2f}G {row['mlx_peak'] / 1e9:>8.2f}G")
+        line = (
+            f"   {row['config']:<12} {row['step_s']:>7.2f} {row['tokens_per_s']:>8.1f} "
+            f"{row['vs_resident']:>6.2f} {row['peak_rss'] / 1e9:>8.2f}G {row['mlx_peak'] / 1e9:>8.2f}G"
+        )
         if "bound_s" in row:
-            line += (f" {row['bytes_per_step'] / 1e9:>8.2f} {row['vs_belady']:>6.2f} {row['io_wait_s']:>6.2f} "
-                     f"{row['bound_s']:>7.2f} {row['vs_bound']:>6.2f} {row['vs_naive']:>8.2f}")
+            line += (
+                f" {row['bytes_per_step'] / 1e9:>8.2f} {row['vs_belady']:>6.2f} {row['io_wait_s']:>6.2f} "
+                f"{row['bound_s']:>7.2f} {row['vs_bound']:>6.2f} {row['vs_naive']:>8.2f}"
+            )
         print(line)
-    return {"weights_bytes": W, "blocks": L, "first_trained": first, "disk_Bps": R_med, "disk_samples": R,
-            "resident_step_s": compute, "shape": shape, "rows": rows}
+    return {
+        "weights_bytes": W,
+        "blocks": L,
+        "first_trained": first,
+        "disk_Bps": R_med,
+        "disk_samples": R,
+        "resident_step_s": compute,
+        "shape": shape,
+        "rows": rows,
+    }
 
 
 def plot(summary, path):
@@ -313,13 +411,22 @@ def plot(summary, path):
         x = [r["page_budget"] / s["weights_bytes"] * 100 for r in pager_rows]
         ax = axes[0][j]
         ax.plot(x, [r["step_s"] for r in pager_rows], "o-", label="mlx-pager step time")
-        ax.plot([r["page_budget"] / s["weights_bytes"] * 100 for r in aggr_rows],
-                [r["step_s"] for r in aggr_rows], "^-", label="mlx-pager, aggressive readahead")
+        ax.plot(
+            [r["page_budget"] / s["weights_bytes"] * 100 for r in aggr_rows],
+            [r["step_s"] for r in aggr_rows],
+            "^-",
+            label="mlx-pager, aggressive readahead",
+        )
         ax.plot(x, [r["bound_s"] for r in pager_rows], "k--", label="lower bound")
         for r in s["rows"]:
             if not r["config"].startswith(("pager", "aggr")):
-                ax.axhline(r["step_s"], ls=":", lw=1, label=f"{r['config']} step time",
-                           color={"mlx-lm": "g", "mlx-lm+ckpt": "c", "naive": "r"}[r["config"]])
+                ax.axhline(
+                    r["step_s"],
+                    ls=":",
+                    lw=1,
+                    label=f"{r['config']} step time",
+                    color={"mlx-lm": "g", "mlx-lm+ckpt": "c", "naive": "r"}[r["config"]],
+                )
         ax.set_xlabel("page budget, % of weights")
         ax.set_ylabel("seconds per step")
         ax2 = ax.twinx()
@@ -336,7 +443,7 @@ def plot(summary, path):
         ax = axes[1][j]
         if len(steps) >= 2:
             # the last full step: block records between the last two step ends
-            t_end = [b["t"] for b in blocks]
+            [b["t"] for b in blocks]
             n_per = len(blocks) // max(1, len(steps))
             one = blocks[-n_per:]
             t0 = one[0]["t"]
@@ -346,9 +453,18 @@ def plot(summary, path):
             pages = [b["pages_bytes"] / mb for b in one]
             other = [max(0, b["mlx_active_bytes"] - b["pinned_bytes"] - b["pages_bytes"]) / mb for b in one]
             cache = [b["mlx_cache_bytes"] / mb for b in one]
-            rest = [max(0, b["rss_bytes"] / mb - p - q - o - c) for b, p, q, o, c in zip(one, pinned, pages, other, cache)]
-            ax.stackplot(t, pinned, pages, other, cache, rest,
-                         labels=["pinned page", "block pages", "other MLX", "MLX cache", "rest of process"])
+            rest = [
+                max(0, b["rss_bytes"] / mb - p - q - o - c) for b, p, q, o, c in zip(one, pinned, pages, other, cache)
+            ]
+            ax.stackplot(
+                t,
+                pinned,
+                pages,
+                other,
+                cache,
+                rest,
+                labels=["pinned page", "block pages", "other MLX", "MLX cache", "rest of process"],
+            )
             ax.axhline(row["budget"] / mb, color="r", ls="--", lw=1, label="budget")
             ax.set_xlabel("seconds into the step")
             ax.set_ylabel("MB")

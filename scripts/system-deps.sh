@@ -4,9 +4,11 @@
 # compiler, Python's venv module and OpenBLAS (MLX's Linux CPU wheel bundles
 # a reference BLAS ~10-30x slower for float32 matmuls; see README, "On Linux
 # CPUs: BLAS"). Elsewhere (macOS, other distributions) it only says what is
-# missing. Used by scripts/demo.sh and .ci/run.
+# missing. Used by scripts/demo.sh and .ci/run; with --ci also the lint
+# tools (clang-format).
 set -euo pipefail
 need=()
+[ "${1:-}" = --ci ] && { command -v clang-format > /dev/null || need+=(clang-format); }
 command -v g++ > /dev/null || command -v c++ > /dev/null || need+=(g++)
 python3 -c 'import venv, ensurepip' 2> /dev/null || need+=(python3-venv)
 if [ "$(uname -s)" = Linux ]; then

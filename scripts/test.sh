@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs every test of mlx-pager: the C++ core (plain, AddressSanitizer+UBSan,
+# Runs every test of mlx-pager: the linters (scripts/lint.sh), the C++ core (plain, AddressSanitizer+UBSan,
 # and ThreadSanitizer for the MLX-free part), then the Python tests.
 # Creates/uses the virtual environment .venv (MLX_PAGER_VENV overrides).
 set -euo pipefail
@@ -18,6 +18,9 @@ PY="$(cd "$VENV/bin" && pwd)/python"
 "$PY" -m pip install -q --disable-pip-version-check ".[test]" \
   "scikit-build-core>=0.10" "nanobind==3.1.0" "cmake>=3.24" ninja
 export PATH="$(dirname "$PY"):$PATH"
+
+step "Lint (clang-format, ruff)"
+MLX_PAGER_VENV="$VENV" ./scripts/lint.sh
 
 cxx_tests() {  # name, sanitizers, with-mlx
   local dir="build/test-$1"

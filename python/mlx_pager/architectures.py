@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import types
-import typing
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -54,58 +53,134 @@ LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 _HIDDEN = 64
 SIZES: Dict[str, object] = {
     # widths
-    **dict.fromkeys(["hidden_size", "d_model", "n_embd", "model_dim", "dim", "block_dim",
-                     "dim_model_base", "hidden_dim_base"], _HIDDEN),
-    **dict.fromkeys(["intermediate_size", "ffn_hidden_size", "n_inner", "hidden_dim",
-                     "ff_intermediate_size", "intermediate_size_mlp", "ffn_dim",
-                     "dense_intermediate_size", "mlp_hidden_size", "block_ff_dim"], 128),
-    **dict.fromkeys(["moe_intermediate_size", "expert_ffn_hidden_size", "expert_intermediate_size",
-                     "shared_expert_intermediate_size", "shared_intermediate_size",
-                     "moe_shared_expert_intermediate_size", "routed_intermediate_size"], 64),
+    **dict.fromkeys(
+        ["hidden_size", "d_model", "n_embd", "model_dim", "dim", "block_dim", "dim_model_base", "hidden_dim_base"],
+        _HIDDEN,
+    ),
+    **dict.fromkeys(
+        [
+            "intermediate_size",
+            "ffn_hidden_size",
+            "n_inner",
+            "hidden_dim",
+            "ff_intermediate_size",
+            "intermediate_size_mlp",
+            "ffn_dim",
+            "dense_intermediate_size",
+            "mlp_hidden_size",
+            "block_ff_dim",
+        ],
+        128,
+    ),
+    **dict.fromkeys(
+        [
+            "moe_intermediate_size",
+            "expert_ffn_hidden_size",
+            "expert_intermediate_size",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+            "routed_intermediate_size",
+        ],
+        64,
+    ),
     # depth
-    **dict.fromkeys(["num_hidden_layers", "n_layer", "n_layers", "num_layers",
-                     "num_transformer_layers"], LAYERS),
+    **dict.fromkeys(["num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_transformer_layers"], LAYERS),
     # attention
-    **dict.fromkeys(["num_attention_heads", "n_head", "n_heads", "num_heads",
-                     "swa_num_attention_heads", "num_query_heads_base"], 4),
-    **dict.fromkeys(["num_key_value_heads", "n_kv_heads", "num_kv_heads", "swa_num_key_value_heads",
-                     "num_attention_groups", "multi_query_group_num"], 2),
-    **dict.fromkeys(["head_dim", "swa_head_dim", "swa_v_head_dim", "kv_channels",
-                     "attention_head_dim"], 16),
-    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-    "v_head_dim": 16, "qk_head_dim": 24,
-    "moe_top_k": 2, "kv_n_heads": 2, "clip_qkv": 8.0,
+    **dict.fromkeys(
+        ["num_attention_heads", "n_head", "n_heads", "num_heads", "swa_num_attention_heads", "num_query_heads_base"], 4
+    ),
+    **dict.fromkeys(
+        [
+            "num_key_value_heads",
+            "n_kv_heads",
+            "num_kv_heads",
+            "swa_num_key_value_heads",
+            "num_attention_groups",
+            "multi_query_group_num",
+        ],
+        2,
+    ),
+    **dict.fromkeys(["head_dim", "swa_head_dim", "swa_v_head_dim", "kv_channels", "attention_head_dim"], 16),
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "qk_head_dim": 24,
+    "moe_top_k": 2,
+    "kv_n_heads": 2,
+    "clip_qkv": 8.0,
     "original_max_position_embeddings": 256,
-    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "index_topk": 8,
     "rotary_dim": 8,
-    "sliding_window": 16, "sliding_window_size": 16, "attention_window_size": 16,
+    "sliding_window": 16,
+    "sliding_window_size": 16,
+    "attention_window_size": 16,
     "attention_chunk_size": 16,
     # experts
-    **dict.fromkeys(["num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
-                     "n_experts"], 4),
-    **dict.fromkeys(["num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token",
-                     "experts_per_token"], 2),
-    **dict.fromkeys(["n_shared_experts", "num_shared_experts", "num_shared_expert",
-                     "moe_num_shared_experts"], 1),
-    "n_group": 1, "topk_group": 1, "zero_expert_num": 1,
+    **dict.fromkeys(["num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "n_experts"], 4),
+    **dict.fromkeys(
+        ["num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token", "experts_per_token"], 2
+    ),
+    **dict.fromkeys(["n_shared_experts", "num_shared_experts", "num_shared_expert", "moe_num_shared_experts"], 1),
+    "n_group": 1,
+    "topk_group": 1,
+    "zero_expert_num": 1,
     # state-space / linear attention / recurrent
     **dict.fromkeys(["state_size", "ssm_state_size", "mamba_d_state", "d_state"], 16),
-    **dict.fromkeys(["conv_kernel", "mamba_d_conv", "d_conv", "linear_conv_kernel_dim",
-                     "conv1d_width", "conv_L_cache"], 4),
-    "time_step_rank": 8, "mamba_num_heads": 4, "mamba_head_dim": 16, "n_groups": 1,
-    "mamba_n_groups": 1, "mamba_expand": 2, "expand": 2, "mamba_n_heads": 4, "mamba_d_head": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16, "lru_width": _HIDDEN,
-    "a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8,
+    **dict.fromkeys(
+        ["conv_kernel", "mamba_d_conv", "d_conv", "linear_conv_kernel_dim", "conv1d_width", "conv_L_cache"], 4
+    ),
+    "time_step_rank": 8,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "expand": 2,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "lru_width": _HIDDEN,
+    "a_low_rank_dim": 8,
+    "v_low_rank_dim": 8,
+    "gate_low_rank_dim": 8,
+    "decay_low_rank_dim": 8,
     "chunk_size": 16,
     # vocabulary and positions
     "vocab_size": VOCAB,
-    **dict.fromkeys(["max_position_embeddings", "n_positions", "n_ctx", "block_size",
-                     "model_max_length", "seq_length", "max_seq_len"], 256),
+    **dict.fromkeys(
+        [
+            "max_position_embeddings",
+            "n_positions",
+            "n_ctx",
+            "block_size",
+            "model_max_length",
+            "seq_length",
+            "max_seq_len",
+        ],
+        256,
+    ),
 }
 
-_SKIP_MODULES = {"base", "cache", "switch_layers", "rope_utils", "activations", "pipeline",
-                 "bitlinear_layers", "gated_delta", "mla", "ssm"}
+_SKIP_MODULES = {
+    "base",
+    "cache",
+    "switch_layers",
+    "rope_utils",
+    "activations",
+    "pipeline",
+    "bitlinear_layers",
+    "gated_delta",
+    "mla",
+    "ssm",
+}
 
 
 def model_types() -> List[str]:
@@ -123,8 +198,9 @@ def _module(model_type: str):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             return importlib.import_module(f"mlx_lm.models.{model_type}")
     except SystemExit:
-        raise ImportError(out.getvalue().strip().splitlines()[-1] if out.getvalue().strip()
-                          else "the module exits when imported")
+        raise ImportError(
+            out.getvalue().strip().splitlines()[-1] if out.getvalue().strip() else "the module exits when imported"
+        ) from None
     except Exception as e:
         raise ImportError(f"{type(e).__name__}: {e}") from e
 
@@ -147,7 +223,7 @@ def _args_classes(mod) -> List[type]:
     from mlx_lm.models.base import BaseModelArgs
 
     found = [mod.ModelArgs]
-    for name, v in vars(mod).items():
+    for _name, v in vars(mod).items():
         if isinstance(v, type) and dataclasses.is_dataclass(v) and v not in found and issubclass(v, BaseModelArgs):
             found.append(v)
         elif isinstance(v, types.ModuleType) and v.__name__.startswith("mlx_lm.models."):
@@ -386,8 +462,13 @@ def _named_fields(e: BaseException, names: set) -> List[str]:
 
 def _candidates(name: str, value, layers: int, kinds: List[str]) -> list:
     """Values to try for field `name` (currently `value`)."""
-    per_layer = [[1] * layers, [i % 2 for i in range(layers)], [i % 2 == 1 for i in range(layers)],
-                 [True] * layers, [0] * layers]
+    per_layer = [
+        [1] * layers,
+        [i % 2 for i in range(layers)],
+        [i % 2 == 1 for i in range(layers)],
+        [True] * layers,
+        [0] * layers,
+    ]
     per_layer += [[kinds[(i + s) % len(kinds)] for i in range(layers)] for s in range(len(kinds))]
     if isinstance(value, bool):
         return [not value]
@@ -466,8 +547,12 @@ def spec_for(model_type: str, dtype: str, config: Optional[dict] = None) -> mode
         raise ValueError(f"dtype must be one of {DTYPES}")
     cfg = config if config is not None else derive_config(model_type)
     return modelgen.ModelSpec(
-        arch=model_type, vocab_size=VOCAB, dtype="bfloat16",
-        bits=4 if dtype == "4bit" else None, group_size=32, config=cfg,
+        arch=model_type,
+        vocab_size=VOCAB,
+        dtype="bfloat16",
+        bits=4 if dtype == "4bit" else None,
+        group_size=32,
+        config=cfg,
     )
 
 
@@ -487,7 +572,9 @@ def sample_batch(path, batch_size: int = 2, max_tokens: int = 32) -> Tuple[mx.ar
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(path) / "tokenizer.json"))
-    texts = [json.loads(l)["text"] for l in (modelgen.SAMPLE_DATA / "train.jsonl").read_text().splitlines()[:batch_size]]
+    texts = [
+        json.loads(l)["text"] for l in (modelgen.SAMPLE_DATA / "train.jsonl").read_text().splitlines()[:batch_size]
+    ]
     seqs = []
     for i, t in enumerate(texts):
         ids = tok.encode(t)
@@ -551,8 +638,15 @@ def bitwise_mismatches(ref: Dict[str, mx.array], got: Dict[str, mx.array]) -> Li
     return bad
 
 
-def compare(path, num_layers: int = LAYERS, store: str = "in_place", cache_dir=None, batch=None,
-            head_chunk_bytes: int = 20_000, compile: bool = False) -> List[str]:
+def compare(
+    path,
+    num_layers: int = LAYERS,
+    store: str = "in_place",
+    cache_dir=None,
+    batch=None,
+    head_chunk_bytes: int = 20_000,
+    compile: bool = False,
+) -> List[str]:
     """Runs mlx-lm's step and the paged step on the same batch; returns the
     differences (empty: bitwise equal). Raises NotPageable (or ValueError)
     when mlx-pager refuses the model. ``compile``: the paged step's blocks
@@ -575,7 +669,10 @@ def compare(path, num_layers: int = LAYERS, store: str = "in_place", cache_dir=N
         raise MlxLmFails(_one_line(e)) from e
     model, w = paged(path, num_layers, store, cache_dir)
     losses, toks, pgrads = S.paged_value_and_grad(
-        model, w, [S.MicroBatch.from_batch(*batch)], head_chunk_bytes=head_chunk_bytes,
+        model,
+        w,
+        [S.MicroBatch.from_batch(*batch)],
+        head_chunk_bytes=head_chunk_bytes,
         blocks=S.Blocks(model, compile=compile),
     )
     bad = []
@@ -611,139 +708,139 @@ def _one_line(e: BaseException) -> str:
 # test_architectures.py fails when one recorded "pass" stops passing.
 # Regenerate with `python -m mlx_pager.architectures --json FILE`.
 RECORDED: Dict[str, Dict[str, str]] = {
-    'Klear': {'bf16': 'cannot build', '4bit': 'pass'},
-    'afm7': {'bf16': 'refused', '4bit': 'cannot build'},
-    'afmoe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'apertus': {'bf16': 'pass', '4bit': 'pass'},
-    'baichuan_m1': {'bf16': 'pass', '4bit': 'pass'},
-    'bailing_hybrid': {'bf16': 'cannot build', '4bit': 'pass'},
-    'bailing_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'bailing_moe_linear': {'bf16': 'cannot build', '4bit': 'pass'},
-    'bailing_moe_v3': {'bf16': 'cannot build', '4bit': 'pass'},
-    'bitnet': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'cohere': {'bf16': 'pass', '4bit': 'pass'},
-    'cohere2': {'bf16': 'pass', '4bit': 'pass'},
-    'dbrx': {'bf16': 'pass', '4bit': 'pass'},
-    'deepseek': {'bf16': 'cannot build', '4bit': 'pass'},
-    'deepseek_v2': {'bf16': 'cannot build', '4bit': 'pass'},
-    'deepseek_v3': {'bf16': 'cannot build', '4bit': 'pass'},
-    'deepseek_v32': {'bf16': 'cannot build', '4bit': 'pass'},
-    'deepseek_v41': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'dots1': {'bf16': 'cannot build', '4bit': 'pass'},
-    'ernie4_5': {'bf16': 'pass', '4bit': 'pass'},
-    'ernie4_5_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'exaone': {'bf16': 'pass', '4bit': 'pass'},
-    'exaone4': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'exaone_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'falcon_h1': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'gear': {'bf16': 'pass', '4bit': 'pass'},
-    'gemma': {'bf16': 'pass', '4bit': 'pass'},
-    'gemma2': {'bf16': 'pass', '4bit': 'pass'},
-    'gemma3': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'gemma3_text': {'bf16': 'pass', '4bit': 'pass'},
-    'gemma3n': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'gemma4': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'gemma4_text': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'glm': {'bf16': 'pass', '4bit': 'pass'},
-    'glm4': {'bf16': 'pass', '4bit': 'pass'},
-    'glm4_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'glm4_moe_lite': {'bf16': 'cannot build', '4bit': 'pass'},
-    'glm_moe_dsa': {'bf16': 'cannot build', '4bit': 'pass'},
-    'gpt2': {'bf16': 'pass', '4bit': 'pass'},
-    'gpt_bigcode': {'bf16': 'pass', '4bit': 'pass'},
-    'gpt_neox': {'bf16': 'pass', '4bit': 'pass'},
-    'gpt_oss': {'bf16': 'cannot build', '4bit': 'pass'},
-    'gptj': {'bf16': 'pass', '4bit': 'pass'},
-    'granite': {'bf16': 'pass', '4bit': 'pass'},
-    'granitemoe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'granitemoehybrid': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'helium': {'bf16': 'pass', '4bit': 'pass'},
-    'hunyuan': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'hunyuan_v1_dense': {'bf16': 'pass', '4bit': 'pass'},
-    'internlm2': {'bf16': 'pass', '4bit': 'pass'},
-    'internlm3': {'bf16': 'pass', '4bit': 'pass'},
-    'iquestloopcoder': {'bf16': 'refused', '4bit': 'refused'},
-    'jamba': {'bf16': 'cannot build', '4bit': 'pass'},
-    'kimi_k25': {'bf16': 'cannot build', '4bit': 'pass'},
-    'kimi_k3': {'bf16': 'cannot build', '4bit': 'refused'},
-    'kimi_linear': {'bf16': 'cannot build', '4bit': 'pass'},
-    'kimi_vl': {'bf16': 'cannot build', '4bit': 'pass'},
-    'laguna': {'bf16': 'cannot build', '4bit': 'pass'},
-    'lfm2': {'bf16': 'pass', '4bit': 'pass'},
-    'lfm2-vl': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'lfm2_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'lille-130m': {'bf16': 'pass', '4bit': 'pass'},
-    'llama': {'bf16': 'pass', '4bit': 'pass'},
-    'llama4': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'llama4_text': {'bf16': 'pass', '4bit': 'pass'},
-    'longcat_flash': {'bf16': 'cannot build', '4bit': 'pass'},
-    'longcat_flash_ngram': {'bf16': 'cannot build', '4bit': 'pass'},
-    'mamba': {'bf16': 'pass', '4bit': 'pass'},
-    'mamba2': {'bf16': 'pass', '4bit': 'pass'},
-    'mellum': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'mimo': {'bf16': 'pass', '4bit': 'pass'},
-    'mimo_v2_flash': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'minicpm': {'bf16': 'pass', '4bit': 'pass'},
-    'minicpm3': {'bf16': 'pass', '4bit': 'pass'},
-    'minimax': {'bf16': 'cannot build', '4bit': 'pass'},
-    'minimax_m3_vl': {'bf16': 'cannot build', '4bit': 'pass'},
-    'ministral3': {'bf16': 'pass', '4bit': 'pass'},
-    'mistral3': {'bf16': 'pass', '4bit': 'pass'},
-    'mistral4': {'bf16': 'cannot build', '4bit': 'pass'},
-    'mixtral': {'bf16': 'cannot build', '4bit': 'pass'},
-    'muse_glimmer': {'bf16': 'pass', '4bit': 'pass'},
-    'muse_spark': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'nanbeige': {'bf16': 'pass', '4bit': 'pass'},
-    'nanochat': {'bf16': 'pass', '4bit': 'pass'},
-    'nemotron': {'bf16': 'pass', '4bit': 'pass'},
-    'nemotron-nas': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'nemotron_h': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'olmo': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'olmo2': {'bf16': 'pass', '4bit': 'pass'},
-    'olmo3': {'bf16': 'pass', '4bit': 'pass'},
-    'olmo_hybrid': {'bf16': 'pass', '4bit': 'pass'},
-    'olmoe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'openelm': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'phi': {'bf16': 'pass', '4bit': 'pass'},
-    'phi3': {'bf16': 'pass', '4bit': 'pass'},
-    'phi3small': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'phimoe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'phixtral': {'bf16': 'cannot build', '4bit': 'pass'},
-    'pixtral': {'bf16': 'pass', '4bit': 'pass'},
-    'plamo': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'plamo2': {'bf16': 'pass', '4bit': 'pass'},
-    'plamo3': {'bf16': 'pass', '4bit': 'pass'},
-    'prism_hadamard_qwen35': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'qwen': {'bf16': 'pass', '4bit': 'pass'},
-    'qwen2': {'bf16': 'pass', '4bit': 'pass'},
-    'qwen2_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'qwen2_vl': {'bf16': 'pass', '4bit': 'pass'},
-    'qwen3': {'bf16': 'pass', '4bit': 'pass'},
-    'qwen3_5': {'bf16': 'cannot build', '4bit': 'pass'},
-    'qwen3_5_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'qwen3_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'qwen3_next': {'bf16': 'cannot build', '4bit': 'pass'},
-    'qwen3_vl': {'bf16': 'pass', '4bit': 'pass'},
-    'qwen3_vl_moe': {'bf16': 'cannot build', '4bit': 'pass'},
-    'recurrent_gemma': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'rwkv7': {'bf16': 'refused', '4bit': 'refused'},
-    'seed_oss': {'bf16': 'pass', '4bit': 'cannot build'},
-    'smollm3': {'bf16': 'pass', '4bit': 'pass'},
-    'solar_open': {'bf16': 'cannot build', '4bit': 'pass'},
-    'spark2_5': {'bf16': 'cannot build', '4bit': 'cannot build'},
-    'stablelm': {'bf16': 'pass', '4bit': 'pass'},
-    'starcoder2': {'bf16': 'pass', '4bit': 'pass'},
-    'step3p5': {'bf16': 'cannot build', '4bit': 'pass'},
-    'talkie': {'bf16': 'pass', '4bit': 'pass'},
-    'telechat3': {'bf16': 'pass', '4bit': 'pass'},
-    'youtu_llm': {'bf16': 'pass', '4bit': 'pass'},
+    "Klear": {"bf16": "cannot build", "4bit": "pass"},
+    "afm7": {"bf16": "refused", "4bit": "cannot build"},
+    "afmoe": {"bf16": "cannot build", "4bit": "pass"},
+    "apertus": {"bf16": "pass", "4bit": "pass"},
+    "baichuan_m1": {"bf16": "pass", "4bit": "pass"},
+    "bailing_hybrid": {"bf16": "cannot build", "4bit": "pass"},
+    "bailing_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "bailing_moe_linear": {"bf16": "cannot build", "4bit": "pass"},
+    "bailing_moe_v3": {"bf16": "cannot build", "4bit": "pass"},
+    "bitnet": {"bf16": "cannot build", "4bit": "cannot build"},
+    "cohere": {"bf16": "pass", "4bit": "pass"},
+    "cohere2": {"bf16": "pass", "4bit": "pass"},
+    "dbrx": {"bf16": "pass", "4bit": "pass"},
+    "deepseek": {"bf16": "cannot build", "4bit": "pass"},
+    "deepseek_v2": {"bf16": "cannot build", "4bit": "pass"},
+    "deepseek_v3": {"bf16": "cannot build", "4bit": "pass"},
+    "deepseek_v32": {"bf16": "cannot build", "4bit": "pass"},
+    "deepseek_v41": {"bf16": "cannot build", "4bit": "cannot build"},
+    "dots1": {"bf16": "cannot build", "4bit": "pass"},
+    "ernie4_5": {"bf16": "pass", "4bit": "pass"},
+    "ernie4_5_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "exaone": {"bf16": "pass", "4bit": "pass"},
+    "exaone4": {"bf16": "cannot build", "4bit": "cannot build"},
+    "exaone_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "falcon_h1": {"bf16": "cannot build", "4bit": "cannot build"},
+    "gear": {"bf16": "pass", "4bit": "pass"},
+    "gemma": {"bf16": "pass", "4bit": "pass"},
+    "gemma2": {"bf16": "pass", "4bit": "pass"},
+    "gemma3": {"bf16": "cannot build", "4bit": "cannot build"},
+    "gemma3_text": {"bf16": "pass", "4bit": "pass"},
+    "gemma3n": {"bf16": "cannot build", "4bit": "cannot build"},
+    "gemma4": {"bf16": "cannot build", "4bit": "cannot build"},
+    "gemma4_text": {"bf16": "cannot build", "4bit": "cannot build"},
+    "glm": {"bf16": "pass", "4bit": "pass"},
+    "glm4": {"bf16": "pass", "4bit": "pass"},
+    "glm4_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "glm4_moe_lite": {"bf16": "cannot build", "4bit": "pass"},
+    "glm_moe_dsa": {"bf16": "cannot build", "4bit": "pass"},
+    "gpt2": {"bf16": "pass", "4bit": "pass"},
+    "gpt_bigcode": {"bf16": "pass", "4bit": "pass"},
+    "gpt_neox": {"bf16": "pass", "4bit": "pass"},
+    "gpt_oss": {"bf16": "cannot build", "4bit": "pass"},
+    "gptj": {"bf16": "pass", "4bit": "pass"},
+    "granite": {"bf16": "pass", "4bit": "pass"},
+    "granitemoe": {"bf16": "cannot build", "4bit": "pass"},
+    "granitemoehybrid": {"bf16": "cannot build", "4bit": "cannot build"},
+    "helium": {"bf16": "pass", "4bit": "pass"},
+    "hunyuan": {"bf16": "cannot build", "4bit": "cannot build"},
+    "hunyuan_v1_dense": {"bf16": "pass", "4bit": "pass"},
+    "internlm2": {"bf16": "pass", "4bit": "pass"},
+    "internlm3": {"bf16": "pass", "4bit": "pass"},
+    "iquestloopcoder": {"bf16": "refused", "4bit": "refused"},
+    "jamba": {"bf16": "cannot build", "4bit": "pass"},
+    "kimi_k25": {"bf16": "cannot build", "4bit": "pass"},
+    "kimi_k3": {"bf16": "cannot build", "4bit": "refused"},
+    "kimi_linear": {"bf16": "cannot build", "4bit": "pass"},
+    "kimi_vl": {"bf16": "cannot build", "4bit": "pass"},
+    "laguna": {"bf16": "cannot build", "4bit": "pass"},
+    "lfm2": {"bf16": "pass", "4bit": "pass"},
+    "lfm2-vl": {"bf16": "cannot build", "4bit": "cannot build"},
+    "lfm2_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "lille-130m": {"bf16": "pass", "4bit": "pass"},
+    "llama": {"bf16": "pass", "4bit": "pass"},
+    "llama4": {"bf16": "cannot build", "4bit": "cannot build"},
+    "llama4_text": {"bf16": "pass", "4bit": "pass"},
+    "longcat_flash": {"bf16": "cannot build", "4bit": "pass"},
+    "longcat_flash_ngram": {"bf16": "cannot build", "4bit": "pass"},
+    "mamba": {"bf16": "pass", "4bit": "pass"},
+    "mamba2": {"bf16": "pass", "4bit": "pass"},
+    "mellum": {"bf16": "cannot build", "4bit": "cannot build"},
+    "mimo": {"bf16": "pass", "4bit": "pass"},
+    "mimo_v2_flash": {"bf16": "cannot build", "4bit": "cannot build"},
+    "minicpm": {"bf16": "pass", "4bit": "pass"},
+    "minicpm3": {"bf16": "pass", "4bit": "pass"},
+    "minimax": {"bf16": "cannot build", "4bit": "pass"},
+    "minimax_m3_vl": {"bf16": "cannot build", "4bit": "pass"},
+    "ministral3": {"bf16": "pass", "4bit": "pass"},
+    "mistral3": {"bf16": "pass", "4bit": "pass"},
+    "mistral4": {"bf16": "cannot build", "4bit": "pass"},
+    "mixtral": {"bf16": "cannot build", "4bit": "pass"},
+    "muse_glimmer": {"bf16": "pass", "4bit": "pass"},
+    "muse_spark": {"bf16": "cannot build", "4bit": "cannot build"},
+    "nanbeige": {"bf16": "pass", "4bit": "pass"},
+    "nanochat": {"bf16": "pass", "4bit": "pass"},
+    "nemotron": {"bf16": "pass", "4bit": "pass"},
+    "nemotron-nas": {"bf16": "cannot build", "4bit": "cannot build"},
+    "nemotron_h": {"bf16": "cannot build", "4bit": "cannot build"},
+    "olmo": {"bf16": "cannot build", "4bit": "cannot build"},
+    "olmo2": {"bf16": "pass", "4bit": "pass"},
+    "olmo3": {"bf16": "pass", "4bit": "pass"},
+    "olmo_hybrid": {"bf16": "pass", "4bit": "pass"},
+    "olmoe": {"bf16": "cannot build", "4bit": "pass"},
+    "openelm": {"bf16": "cannot build", "4bit": "cannot build"},
+    "phi": {"bf16": "pass", "4bit": "pass"},
+    "phi3": {"bf16": "pass", "4bit": "pass"},
+    "phi3small": {"bf16": "cannot build", "4bit": "cannot build"},
+    "phimoe": {"bf16": "cannot build", "4bit": "pass"},
+    "phixtral": {"bf16": "cannot build", "4bit": "pass"},
+    "pixtral": {"bf16": "pass", "4bit": "pass"},
+    "plamo": {"bf16": "cannot build", "4bit": "cannot build"},
+    "plamo2": {"bf16": "pass", "4bit": "pass"},
+    "plamo3": {"bf16": "pass", "4bit": "pass"},
+    "prism_hadamard_qwen35": {"bf16": "cannot build", "4bit": "cannot build"},
+    "qwen": {"bf16": "pass", "4bit": "pass"},
+    "qwen2": {"bf16": "pass", "4bit": "pass"},
+    "qwen2_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "qwen2_vl": {"bf16": "pass", "4bit": "pass"},
+    "qwen3": {"bf16": "pass", "4bit": "pass"},
+    "qwen3_5": {"bf16": "cannot build", "4bit": "pass"},
+    "qwen3_5_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "qwen3_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "qwen3_next": {"bf16": "cannot build", "4bit": "pass"},
+    "qwen3_vl": {"bf16": "pass", "4bit": "pass"},
+    "qwen3_vl_moe": {"bf16": "cannot build", "4bit": "pass"},
+    "recurrent_gemma": {"bf16": "cannot build", "4bit": "cannot build"},
+    "rwkv7": {"bf16": "refused", "4bit": "refused"},
+    "seed_oss": {"bf16": "pass", "4bit": "cannot build"},
+    "smollm3": {"bf16": "pass", "4bit": "pass"},
+    "solar_open": {"bf16": "cannot build", "4bit": "pass"},
+    "spark2_5": {"bf16": "cannot build", "4bit": "cannot build"},
+    "stablelm": {"bf16": "pass", "4bit": "pass"},
+    "starcoder2": {"bf16": "pass", "4bit": "pass"},
+    "step3p5": {"bf16": "cannot build", "4bit": "pass"},
+    "talkie": {"bf16": "pass", "4bit": "pass"},
+    "telechat3": {"bf16": "pass", "4bit": "pass"},
+    "youtu_llm": {"bf16": "pass", "4bit": "pass"},
 }
 
 # Architectures whose tiny models would crash the process (so they are not
 # run): what a generated config cannot express.
 EXCLUDED = {
     "phi3small": "its head writes -inf at hard-coded token ids >= 100256 (its tokenizer's dummy "
-                 "tokens): out of bounds for a small vocabulary, MLX's scatter corrupts the heap",
+    "tokens): out of bounds for a small vocabulary, MLX's scatter corrupts the heap",
 }
 
 
@@ -808,7 +905,8 @@ def markdown(results: List[Result]) -> str:
         lines.append(f"| {mt} | " + " | ".join(cells) + " | " + " / ".join(why).replace("|", "\\|") + " |")
     counts = collections.Counter((r.dtype, r.status) for r in results)
     summary = "; ".join(
-        f"{d}: " + ", ".join(f"{counts[(d, s)]} {s}" for s in ("pass", "refused", "cannot build", "fail") if counts[(d, s)])
+        f"{d}: "
+        + ", ".join(f"{counts[(d, s)]} {s}" for s in ("pass", "refused", "cannot build", "fail") if counts[(d, s)])
         for d in dts
     )
     return "\n".join(lines) + f"\n\n{summary}\n"

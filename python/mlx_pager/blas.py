@@ -89,9 +89,11 @@ def warn_once() -> None:
         fix = "install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread)"
     else:
         fix = "import mlx_pager before mlx, or start Python with LD_PRELOAD=" + str(openblas_path())
-    print(f"mlx-pager: warning: MLX's Linux CPU wheel runs float32 matmuls on its bundled reference BLAS "
-          f"(~10-30x slower than OpenBLAS); to fix, {fix}. Set MLX_PAGER_OPENBLAS=0 to silence.",
-          file=sys.stderr)
+    print(
+        f"mlx-pager: warning: MLX's Linux CPU wheel runs float32 matmuls on its bundled reference BLAS "
+        f"(~10-30x slower than OpenBLAS); to fix, {fix}. Set MLX_PAGER_OPENBLAS=0 to silence.",
+        file=sys.stderr,
+    )
 
 
 def preloaded() -> bool:

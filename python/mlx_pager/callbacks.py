@@ -151,12 +151,20 @@ class JsonReport(PagerCallback):
 
     def on_block(self, weights, phase, block):
         s = weights.pager.stats()
-        self._write({
-            "type": "block", "t": time.perf_counter() - self.t0, "phase": phase, "block": block,
-            "rss_bytes": process_rss(), "pages_bytes": s["resident_bytes"] - s["pinned_bytes"],
-            "pinned_bytes": s["pinned_bytes"], "mlx_active_bytes": mx.get_active_memory(),
-            "mlx_cache_bytes": mx.get_cache_memory(), "in_flight_pages": s["in_flight_pages"],
-        })
+        self._write(
+            {
+                "type": "block",
+                "t": time.perf_counter() - self.t0,
+                "phase": phase,
+                "block": block,
+                "rss_bytes": process_rss(),
+                "pages_bytes": s["resident_bytes"] - s["pinned_bytes"],
+                "pinned_bytes": s["pinned_bytes"],
+                "mlx_active_bytes": mx.get_active_memory(),
+                "mlx_cache_bytes": mx.get_cache_memory(),
+                "in_flight_pages": s["in_flight_pages"],
+            }
+        )
 
     def close(self):
         self.file.close()

@@ -39,14 +39,22 @@ def check_flags(args) -> None:
         raise ValueError("no --data given: pass a directory with train.jsonl and valid.jsonl")
     if not args.train and not args.test:
         raise ValueError("Must provide at least one of --train or --test")
-    for name in ("batch_size", "iters", "steps_per_report", "steps_per_eval", "save_every",
-                 "grad_accumulation_steps", "io_threads"):
+    for name in (
+        "batch_size",
+        "iters",
+        "steps_per_report",
+        "steps_per_eval",
+        "save_every",
+        "grad_accumulation_steps",
+        "io_threads",
+    ):
         _positive(args, name)
     for name in ("num_layers", "val_batches", "test_batches"):
         _positive(args, name, allow_minus_one=True)
     if args.max_seq_length is not None and args.max_seq_length < 2:
-        raise ValueError(f"--max-seq-length must be at least 2 (one input and one target token), "
-                         f"not {args.max_seq_length}")
+        raise ValueError(
+            f"--max-seq-length must be at least 2 (one input and one target token), not {args.max_seq_length}"
+        )
     if args.readahead is not None and args.readahead < 0:
         raise ValueError(f"--readahead must be 0 (off) or more blocks, not {args.readahead}")
     if args.head_chunk_bytes is not None and args.head_chunk_bytes <= 0:
@@ -55,9 +63,11 @@ def check_flags(args) -> None:
         budget = parse_size(args.memory_budget)
         total = _physical_memory()
         if total and budget > total:
-            print(f"mlx-pager: warning: --memory-budget {format_size(budget)} is more than this machine's "
-                  f"{format_size(total)} of memory: the budget will not protect the process from the OS",
-                  file=sys.stderr)
+            print(
+                f"mlx-pager: warning: --memory-budget {format_size(budget)} is more than this machine's "
+                f"{format_size(total)} of memory: the budget will not protect the process from the OS",
+                file=sys.stderr,
+            )
 
 
 def _physical_memory() -> int:
@@ -77,18 +87,25 @@ def check_model(model: str) -> None:
     p = Path(model).expanduser()
     if p.exists():
         if not p.is_dir():
-            raise FileNotFoundError(f"--model {model} is a file: point it at an mlx-lm model directory "
-                                    "(config.json + model*.safetensors)")
+            raise FileNotFoundError(
+                f"--model {model} is a file: point it at an mlx-lm model directory (config.json + model*.safetensors)"
+            )
         if not (p / "config.json").exists():
-            raise FileNotFoundError(f"--model {model} has no config.json: point it at an mlx-lm model directory "
-                                    "(config.json + model*.safetensors)")
+            raise FileNotFoundError(
+                f"--model {model} has no config.json: point it at an mlx-lm model directory "
+                "(config.json + model*.safetensors)"
+            )
         if not any(p.glob("model*.safetensors")):
-            raise FileNotFoundError(f"--model {model} has no model*.safetensors files: point it at an mlx-lm model "
-                                    "directory (convert a Hugging Face model with mlx_lm.convert)")
+            raise FileNotFoundError(
+                f"--model {model} has no model*.safetensors files: point it at an mlx-lm model "
+                "directory (convert a Hugging Face model with mlx_lm.convert)"
+            )
         return
     if looks_like_path(model):
-        raise FileNotFoundError(f"--model {model}: no such directory (a local model is a directory with config.json "
-                                "and model*.safetensors; a Hugging Face repo id is written owner/name)")
+        raise FileNotFoundError(
+            f"--model {model}: no such directory (a local model is a directory with config.json "
+            "and model*.safetensors; a Hugging Face repo id is written owner/name)"
+        )
 
 
 def _records(path: Path):
@@ -100,8 +117,10 @@ def _records(path: Path):
             try:
                 rec = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
-                                 "each line must be one JSON object") from None
+                raise ValueError(
+                    f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}): "
+                    "each line must be one JSON object"
+                ) from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{path} line {n} is a JSON {type(rec).__name__}, not an object")
             yield n, rec
@@ -121,8 +140,10 @@ def check_jsonl(path: Path) -> int:
                 )
         missing = [k for k in fmt if k not in rec]
         if missing:
-            raise ValueError(f"{path} line {n} lacks {missing}, which the file's first record has: "
-                             "every record of a file must have the same format")
+            raise ValueError(
+                f"{path} line {n} lacks {missing}, which the file's first record has: "
+                "every record of a file must have the same format"
+            )
         count += 1
     return count
 
@@ -132,8 +153,9 @@ def check_data(args) -> None:
     if not d.exists():
         if not looks_like_path(str(args.data)) and importlib.util.find_spec("datasets") is not None:
             return  # a Hugging Face dataset name: mlx-lm loads it
-        raise FileNotFoundError(f"--data {args.data}: no such directory (it must hold train.jsonl and valid.jsonl; "
-                                "test.jsonl for --test)")
+        raise FileNotFoundError(
+            f"--data {args.data}: no such directory (it must hold train.jsonl and valid.jsonl; test.jsonl for --test)"
+        )
     if not d.is_dir():
         raise FileNotFoundError(f"--data {args.data} is a file: pass the directory that holds train.jsonl")
     need = (["train"] if args.train else []) + (["test"] if args.test else [])
@@ -141,15 +163,17 @@ def check_data(args) -> None:
         f = d / f"{name}.jsonl"
         if not f.exists():
             if name in need:
-                raise FileNotFoundError(f"--data {args.data} has no {name}.jsonl: "
-                                        f"{'--train' if name == 'train' else '--test'} needs it")
+                raise FileNotFoundError(
+                    f"--data {args.data} has no {name}.jsonl: {'--train' if name == 'train' else '--test'} needs it"
+                )
             continue
         n = check_jsonl(f)
         if n == 0 and name in need:
             raise ValueError(f"{f} has no records: write one JSON object per line")
         if name == "train" and args.train and n < args.batch_size:
-            raise ValueError(f"{f} has {n} records, fewer than --batch-size {args.batch_size}: "
-                             "lower --batch-size or add data")
+            raise ValueError(
+                f"{f} has {n} records, fewer than --batch-size {args.batch_size}: lower --batch-size or add data"
+            )
 
 
 def check_args(args) -> None:

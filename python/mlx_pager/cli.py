@@ -1,15 +1,15 @@
 """The mlx-pager command line.
 
-  mlx-pager lora ...      drop-in for mlx_lm.lora (same flags and defaults)
-                          plus --memory-budget and --ssd-cache-dir
-  mlx-pager demo          the offline main job: generate (once) a model several
-                          times larger than the budget, train it under that
-                          budget on the shipped sample data, print what the
-                          pager did
-  mlx-pager generate ...  drop-in for mlx_lm.generate (same flags) with the
-                          weights paged under --memory-budget
-  mlx-pager make-model DIR  write a small random-weight test model
-  mlx-pager plot FILE     a PNG of a --report file (memory by component, I/O)
+mlx-pager lora ...      drop-in for mlx_lm.lora (same flags and defaults)
+                        plus --memory-budget and --ssd-cache-dir
+mlx-pager demo          the offline main job: generate (once) a model several
+                        times larger than the budget, train it under that
+                        budget on the shipped sample data, print what the
+                        pager did
+mlx-pager generate ...  drop-in for mlx_lm.generate (same flags) with the
+                        weights paged under --memory-budget
+mlx-pager make-model DIR  write a small random-weight test model
+mlx-pager plot FILE     a PNG of a --report file (memory by component, I/O)
 """
 
 from __future__ import annotations
@@ -31,29 +31,55 @@ def _lora_parser() -> argparse.ArgumentParser:
     parser.description = "LoRA or DoRA fine-tuning with the frozen weights paged from the SSD."
     for action in parser._actions:
         if action.dest == "fine_tune_type":
-            action.help = ("Type of fine-tuning to perform: lora or dora. "
-                           "(full is refused: it would train the weights mlx-pager pages.)")
+            action.help = (
+                "Type of fine-tuning to perform: lora or dora. "
+                "(full is refused: it would train the weights mlx-pager pages.)"
+            )
         elif action.dest == "grad_checkpoint":
             action.help = "Accepted for compatibility: mlx-pager always checkpoints blocks."
     g = parser.add_argument_group("mlx-pager")
-    g.add_argument("--memory-budget", type=str, default=None,
-                   help="Memory the whole process may use, e.g. 12GB or 900MiB (default: 80%% of RAM).")
-    g.add_argument("--ssd-cache-dir", type=str, default=None,
-                   help="Where the pager writes swap files when a model's weights cannot be read in place.")
-    g.add_argument("--store", choices=["auto", "in_place", "swap"], default=None,
-                   help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).")
-    g.add_argument("--policy", choices=["optimal", "lru"], default=None,
-                   help="Eviction policy (default: optimal, which knows the step's access order).")
+    g.add_argument(
+        "--memory-budget",
+        type=str,
+        default=None,
+        help="Memory the whole process may use, e.g. 12GB or 900MiB (default: 80%% of RAM).",
+    )
+    g.add_argument(
+        "--ssd-cache-dir",
+        type=str,
+        default=None,
+        help="Where the pager writes swap files when a model's weights cannot be read in place.",
+    )
+    g.add_argument(
+        "--store",
+        choices=["auto", "in_place", "swap"],
+        default=None,
+        help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).",
+    )
+    g.add_argument(
+        "--policy",
+        choices=["optimal", "lru"],
+        default=None,
+        help="Eviction policy (default: optimal, which knows the step's access order).",
+    )
     g.add_argument("--readahead", type=int, default=None, help="Blocks to read ahead (default 2; 0 = off).")
-    g.add_argument("--readahead-mode", choices=["conservative", "aggressive"], default=None,
-                   help="conservative: never more reads than Belady's minimum; aggressive: may read "
-                        "more to overlap reads with compute when the budget is small.")
+    g.add_argument(
+        "--readahead-mode",
+        choices=["conservative", "aggressive"],
+        default=None,
+        help="conservative: never more reads than Belady's minimum; aggressive: may read "
+        "more to overlap reads with compute when the budget is small.",
+    )
     g.add_argument("--io-threads", type=int, default=None, help="I/O threads (default 4).")
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
-    g.add_argument("--resume", action="store_true", default=None,
-                   help="Continue exactly where the last run in --adapter-path stopped (its resume_state."
-                        "safetensors: adapters, optimizer state, schedule and data position), e.g. after "
-                        "Ctrl-C, a kill or a crash, or with a larger --iters.")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        default=None,
+        help="Continue exactly where the last run in --adapter-path stopped (its resume_state."
+        "safetensors: adapters, optimizer state, schedule and data position), e.g. after "
+        "Ctrl-C, a kill or a crash, or with a larger --iters.",
+    )
     return parser
 
 
@@ -77,8 +103,10 @@ def lora_main(argv) -> int:
             if args.get(k) is None:
                 args[k] = v
     if args.get("grad_checkpoint"):
-        print("note: --grad-checkpoint is not needed with mlx-pager: blocks are always "
-              "checkpointed and recomputed", file=sys.stderr)
+        print(
+            "note: --grad-checkpoint is not needed with mlx-pager: blocks are always checkpointed and recomputed",
+            file=sys.stderr,
+        )
     for k, v in DEFAULTS.items():
         if args.get(k) is None:
             args[k] = v
@@ -105,17 +133,23 @@ def demo_main(argv) -> int:
     from .trainer import DEFAULTS, run
 
     p = argparse.ArgumentParser(
-        prog="mlx-pager demo", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=demo_main.__doc__ + """
+        prog="mlx-pager demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=demo_main.__doc__
+        + """
 With the defaults the model is a 30-block float32 Llama of 1.83 GB (hidden
 size 1024), trained under a 450 MB budget. It needs about 1.9 GB of disk
 under --cache-dir (the model, generated once and reused; its pages are read
 in place, so no swap copy is written) and about 2-3 minutes on 2 CPU cores
 with OpenBLAS (the first run also spends ~1 minute generating the model;
 without OpenBLAS on Linux, float32 matmuls are ~10x slower). Size and
-time scale with --layers x --hidden-size^2.""")
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "mlx-pager"),
-                   help="Where the generated model and swap files are kept.")
+time scale with --layers x --hidden-size^2.""",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=str(Path.home() / ".cache" / "mlx-pager"),
+        help="Where the generated model and swap files are kept.",
+    )
     p.add_argument("--memory-budget", default="450MB", help="The budget to train under.")
     p.add_argument("--layers", type=int, default=30, help="Blocks of the generated model.")
     p.add_argument("--hidden-size", type=int, default=1024)
@@ -125,10 +159,16 @@ time scale with --layers x --hidden-size^2.""")
     p.add_argument("--num-layers", type=int, default=4, help="Blocks that get LoRA adapters.")
     a = p.parse_args(argv)
     spec = modelgen.ModelSpec(
-        arch="llama", hidden_size=a.hidden_size, num_hidden_layers=a.layers,
-        intermediate_size=4 * a.hidden_size, num_attention_heads=max(1, a.hidden_size // 64),
-        num_key_value_heads=max(1, a.hidden_size // 256), vocab_size=1024, dtype="float32",
-        bits=None, seed=0,
+        arch="llama",
+        hidden_size=a.hidden_size,
+        num_hidden_layers=a.layers,
+        intermediate_size=4 * a.hidden_size,
+        num_attention_heads=max(1, a.hidden_size // 64),
+        num_key_value_heads=max(1, a.hidden_size // 256),
+        vocab_size=1024,
+        dtype="float32",
+        bits=None,
+        seed=0,
     )
     model_dir = Path(a.cache_dir) / "models" / f"demo-llama-{spec.key()}"
     t0 = time.perf_counter()
@@ -138,11 +178,21 @@ time scale with --layers x --hidden-size^2.""")
     print(f"Model: {format_size(size)} of weights ({time.perf_counter() - t0:.1f}s)")
     args = dict(DEFAULTS)
     args.update(
-        model=str(model_dir), data=str(modelgen.SAMPLE_DATA), train=True, iters=a.iters,
-        batch_size=a.batch_size, max_seq_length=a.max_seq_length, num_layers=a.num_layers,
-        steps_per_report=1, steps_per_eval=10**9, val_batches=2, save_every=10**9,
-        memory_budget=a.memory_budget, ssd_cache_dir=str(Path(a.cache_dir) / "swap"),
-        adapter_path=str(Path(a.cache_dir) / "demo-adapters"), learning_rate=1e-4,
+        model=str(model_dir),
+        data=str(modelgen.SAMPLE_DATA),
+        train=True,
+        iters=a.iters,
+        batch_size=a.batch_size,
+        max_seq_length=a.max_seq_length,
+        num_layers=a.num_layers,
+        steps_per_report=1,
+        steps_per_eval=10**9,
+        val_batches=2,
+        save_every=10**9,
+        memory_budget=a.memory_budget,
+        ssd_cache_dir=str(Path(a.cache_dir) / "swap"),
+        adapter_path=str(Path(a.cache_dir) / "demo-adapters"),
+        learning_rate=1e-4,
     )
     try:
         res = run(types.SimpleNamespace(**args))
@@ -157,10 +207,12 @@ time scale with --layers x --hidden-size^2.""")
     print("What the pager did")
     print(f"  model weights      {format_size(size):>10}   ({size / res.plan.budget:.1f}x the budget)")
     print(f"  memory budget      {format_size(res.plan.budget):>10}   (pages: {format_size(res.plan.page_budget)})")
-    print(f"  peak process RSS   {format_size(res.peak_rss):>10}   ({'within' if res.peak_rss <= res.plan.budget else 'OVER'} budget)")
+    within = "within" if res.peak_rss <= res.plan.budget else "OVER"
+    print(f"  peak process RSS   {format_size(res.peak_rss):>10}   ({within} budget)")
     print(f"  peak paged memory  {format_size(s['peak_resident_bytes']):>10}")
     print(f"  pages read         {s['pages_read']:>10}   ({s['faults']} faults, {s['readahead_hits']} readahead hits)")
-    print(f"  bytes read         {format_size(s['bytes_read']):>10}   ({format_size(per_step_read)} per step after the first)")
+    per_step = f"{format_size(per_step_read)} per step after the first"
+    print(f"  bytes read         {format_size(s['bytes_read']):>10}   ({per_step})")
     print(f"  step time          {step_s:>9.2f}s   (median; I/O wait {sum(x['io_wait_s'] for x in steps):.2f}s in all)")
     print(f"  loss               {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
     return 0
@@ -183,9 +235,16 @@ def make_model_main(argv) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     spec = modelgen.ModelSpec(
-        arch=a.arch, hidden_size=a.hidden_size, num_hidden_layers=a.layers,
-        intermediate_size=a.intermediate_size or 3 * a.hidden_size, num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads, vocab_size=a.vocab_size, dtype=a.dtype, bits=a.bits, seed=a.seed,
+        arch=a.arch,
+        hidden_size=a.hidden_size,
+        num_hidden_layers=a.layers,
+        intermediate_size=a.intermediate_size or 3 * a.hidden_size,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        vocab_size=a.vocab_size,
+        dtype=a.dtype,
+        bits=a.bits,
+        seed=a.seed,
     )
     path = modelgen.generate_model(a.path, spec)
     print(f"{path}: {format_size(modelgen.weight_bytes(path))} of weights")
@@ -193,12 +252,12 @@ def make_model_main(argv) -> int:
 
 
 def plot_main(argv) -> int:
+    from .plot import __doc__ as plot_doc
     from .plot import plot_report
 
-    from .plot import __doc__ as plot_doc
-
-    p = argparse.ArgumentParser(prog="mlx-pager plot", description=plot_doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="mlx-pager plot", description=plot_doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("report", help="A JSON-lines file written by `mlx-pager lora --report FILE`.")
     p.add_argument("-o", "--output", default=None, help="PNG path (default: REPORT with .png)")
     p.add_argument("--budget", default=None, help="Draw this memory budget, e.g. 450MB.")
@@ -222,19 +281,43 @@ def _generate_parser() -> argparse.ArgumentParser:
     parser.prog = "mlx-pager generate"
     parser.description = "Generate text with the frozen weights paged from the SSD under a memory budget."
     g = parser.add_argument_group("mlx-pager")
-    g.add_argument("--memory-budget", type=str, default=None,
-                   help="Memory the whole process may use, e.g. 8GB or 900MiB (default: 80%% of RAM).")
-    g.add_argument("--ssd-cache-dir", type=str, default=str(Path.home() / ".cache" / "mlx-pager"),
-                   help="Where the pager writes swap files when a model's weights cannot be read in place.")
-    g.add_argument("--store", choices=["auto", "in_place", "swap"], default="auto",
-                   help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).")
-    g.add_argument("--policy", choices=["optimal", "lru"], default="optimal",
-                   help="Eviction policy (default: optimal, MIN on the cyclic order of the blocks).")
-    g.add_argument("--readahead", type=int, default=None,
-                   help="Blocks the pager looks ahead to read (default: all blocks; 0 = off).")
-    g.add_argument("--readahead-mode", choices=["conservative", "aggressive"], default="conservative",
-                   help="conservative: never more reads than Belady's minimum; aggressive: may read "
-                        "more to overlap reads with compute.")
+    g.add_argument(
+        "--memory-budget",
+        type=str,
+        default=None,
+        help="Memory the whole process may use, e.g. 8GB or 900MiB (default: 80%% of RAM).",
+    )
+    g.add_argument(
+        "--ssd-cache-dir",
+        type=str,
+        default=str(Path.home() / ".cache" / "mlx-pager"),
+        help="Where the pager writes swap files when a model's weights cannot be read in place.",
+    )
+    g.add_argument(
+        "--store",
+        choices=["auto", "in_place", "swap"],
+        default="auto",
+        help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).",
+    )
+    g.add_argument(
+        "--policy",
+        choices=["optimal", "lru"],
+        default="optimal",
+        help="Eviction policy (default: optimal, MIN on the cyclic order of the blocks).",
+    )
+    g.add_argument(
+        "--readahead",
+        type=int,
+        default=None,
+        help="Blocks the pager looks ahead to read (default: all blocks; 0 = off).",
+    )
+    g.add_argument(
+        "--readahead-mode",
+        choices=["conservative", "aggressive"],
+        default="conservative",
+        help="conservative: never more reads than Belady's minimum; aggressive: may read "
+        "more to overlap reads with compute.",
+    )
     g.add_argument("--io-threads", type=int, default=4, help="I/O threads (default 4).")
     return parser
 
@@ -251,10 +334,12 @@ def generate_main(argv) -> int:
 
     parser = _generate_parser()
     args = parser.parse_args(argv)
-    for flag, why in (("draft_model", "speculative decoding would need a second paged model"),
-                      ("prompt_cache_file", "saved prompt caches are not read"),
-                      ("image", "vision inputs are not paged"),
-                      ("quantize_activations", "activation quantization is not supported")):
+    for flag, why in (
+        ("draft_model", "speculative decoding would need a second paged model"),
+        ("prompt_cache_file", "saved prompt caches are not read"),
+        ("image", "vision inputs are not paged"),
+        ("quantize_activations", "activation quantization is not supported"),
+    ):
         if getattr(args, flag):
             parser.error(f"--{flag.replace('_', '-')} is not supported by mlx-pager generate: {why}")
     if args.model is None:
@@ -263,11 +348,19 @@ def generate_main(argv) -> int:
         mx.random.seed(args.seed)
     try:
         paged, tokenizer = load_paged(
-            args.model, adapter_path=args.adapter_path, memory_budget=args.memory_budget,
-            ssd_cache_dir=args.ssd_cache_dir, max_kv_tokens=1, prefill_step_size=args.prefill_step_size,
-            store=args.store, policy=args.policy, readahead=args.readahead,
-            readahead_mode=args.readahead_mode, io_threads=args.io_threads,
-            trust_remote_code=args.trust_remote_code, measure_read=True,
+            args.model,
+            adapter_path=args.adapter_path,
+            memory_budget=args.memory_budget,
+            ssd_cache_dir=args.ssd_cache_dir,
+            max_kv_tokens=1,
+            prefill_step_size=args.prefill_step_size,
+            store=args.store,
+            policy=args.policy,
+            readahead=args.readahead,
+            readahead_mode=args.readahead_mode,
+            io_threads=args.io_threads,
+            trust_remote_code=args.trust_remote_code,
+            measure_read=True,
         )
         for eos_token in args.extra_eos_token:
             tokenizer.add_eos_token(eos_token)
@@ -281,8 +374,13 @@ def generate_main(argv) -> int:
             has_prefill = args.prefill_response is not None
             if has_prefill:
                 messages.append({"role": "assistant", "content": args.prefill_response})
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=has_prefill,
-                                                   add_generation_prompt=not has_prefill, **template_kwargs)
+            prompt = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                continue_final_message=has_prefill,
+                add_generation_prompt=not has_prefill,
+                **template_kwargs,
+            )
         tokens = tokenizer.encode(prompt, add_special_tokens=not use_chat_template)
         kv_tokens = len(tokens) + max(0, args.max_tokens)
         if args.max_kv_size is not None:
@@ -291,17 +389,31 @@ def generate_main(argv) -> int:
     except (BudgetError, ModelNotFound, FileNotFoundError, ValueError) as e:
         print(f"mlx-pager: {e}", file=sys.stderr)
         return 2
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep, top_k=args.top_k,
-                           xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
-                           xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
+    sampler = make_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+    )
     if args.verbose:
         print("=" * 10)
     text, response = "", None
     try:
         for response in stream_generate(
-            paged, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler,
-            max_kv_size=args.max_kv_size, prefill_step_size=paged.prefill_chunk, kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
+            paged,
+            tokenizer,
+            tokens,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            max_kv_size=args.max_kv_size,
+            prefill_step_size=paged.prefill_chunk,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start,
         ):
             if args.verbose:
                 print(response.text, end="", flush=True)
@@ -326,26 +438,35 @@ def generate_main(argv) -> int:
 
 
 def _pager_line(s: dict) -> str:
-    line = (f"Pager: weights {format_size(s['paged_bytes'])} paged, page budget {format_size(s['page_budget'])}")
+    line = f"Pager: weights {format_size(s['paged_bytes'])} paged, page budget {format_size(s['page_budget'])}"
     if s["decode_tokens"]:
-        line += (f"; decode {1 / max(s['decode_s_per_token'], 1e-9):.3f} tokens-per-sec, "
-                 f"{format_size(s['decode_bytes_per_token'])} read per token "
-                 f"(MIN for the budget: {format_size(s['min_bytes_per_token'])})")
+        line += (
+            f"; decode {1 / max(s['decode_s_per_token'], 1e-9):.3f} tokens-per-sec, "
+            f"{format_size(s['decode_bytes_per_token'])} read per token "
+            f"(MIN for the budget: {format_size(s['min_bytes_per_token'])})"
+        )
     if s["prefill_tokens"]:
         line += f"; prefill {s['prefill_tokens'] / max(s['prefill_s'], 1e-9):.1f} tokens-per-sec"
     if s["decode_tokens"] and s["min_bytes_per_token"] == 0:
         line += "\nBound: every block stays resident (no reads per token): decode is compute-bound"
     elif s.get("bound_s_per_token") is not None and s["decode_tokens"]:
         resident = s["paged_bytes"] - s["min_bytes_per_token"]
-        line += (f"\nBound: (weights {format_size(s['paged_bytes'])} - resident {format_size(resident)}) / "
-                 f"R {format_size(s['read_rate'])}/s = {s['bound_s_per_token']:.4f} s/token; "
-                 f"decode {s['decode_s_per_token']:.4f} s/token = "
-                 f"{s['decode_s_per_token'] / max(s['bound_s_per_token'], 1e-12):.2f}x the bound")
+        line += (
+            f"\nBound: (weights {format_size(s['paged_bytes'])} - resident {format_size(resident)}) / "
+            f"R {format_size(s['read_rate'])}/s = {s['bound_s_per_token']:.4f} s/token; "
+            f"decode {s['decode_s_per_token']:.4f} s/token = "
+            f"{s['decode_s_per_token'] / max(s['bound_s_per_token'], 1e-12):.2f}x the bound"
+        )
     return line
 
 
-COMMANDS = {"lora": lora_main, "demo": demo_main, "generate": generate_main,
-            "make-model": make_model_main, "plot": plot_main}
+COMMANDS = {
+    "lora": lora_main,
+    "demo": demo_main,
+    "generate": generate_main,
+    "make-model": make_model_main,
+    "plot": plot_main,
+}
 
 
 def version_line() -> str:

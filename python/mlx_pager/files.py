@@ -55,7 +55,7 @@ def _remove_orphans(path: Path) -> None:
     process is gone): a kill -9 mid-write leaves one behind."""
     for tmp in path.parent.glob(f".{path.stem}.*.tmp{path.suffix}"):
         try:
-            pid = int(tmp.name[len(path.stem) + 2:].split(".", 1)[0])
+            pid = int(tmp.name[len(path.stem) + 2 :].split(".", 1)[0])
         except ValueError:
             continue
         if pid == os.getpid():
@@ -73,8 +73,9 @@ def _remove_orphans(path: Path) -> None:
             pass
 
 
-def atomic_write(path, write: Callable[[str], None], expected_bytes: Optional[int] = None,
-                 mode: Optional[int] = None) -> Path:
+def atomic_write(
+    path, write: Callable[[str], None], expected_bytes: Optional[int] = None, mode: Optional[int] = None
+) -> Path:
     """Writes `path` through ``write(tmp)``, atomically (module docstring).
     `expected_bytes`: the size about to be written, checked against the
     free space first. `mode`: permissions of the new file."""
@@ -83,8 +84,11 @@ def atomic_write(path, write: Callable[[str], None], expected_bytes: Optional[in
     if expected_bytes is not None:
         free = free_bytes(path.parent)
         if expected_bytes > free:
-            raise SaveError(errno.ENOSPC, f"cannot write {path}: it needs {format_size(expected_bytes)} and the disk "
-                                          f"has {format_size(free)} free; free some space or choose another directory")
+            raise SaveError(
+                errno.ENOSPC,
+                f"cannot write {path}: it needs {format_size(expected_bytes)} and the disk "
+                f"has {format_size(free)} free; free some space or choose another directory",
+            )
     _remove_orphans(path)
     tmp = _tmp_name(path)
     try:
@@ -99,15 +103,21 @@ def atomic_write(path, write: Callable[[str], None], expected_bytes: Optional[in
         except OSError:
             pass
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise SaveError(errno.ENOSPC, f"cannot write {path}: the disk is full ({format_size(free_bytes(path.parent))} "
-                                          "free); the previous copy, if any, is intact") from None
+            raise SaveError(
+                errno.ENOSPC,
+                f"cannot write {path}: the disk is full ({format_size(free_bytes(path.parent))} "
+                "free); the previous copy, if any, is intact",
+            ) from None
         if isinstance(e, (OSError, RuntimeError)) and not isinstance(e, SaveError):
             # MLX's writers raise RuntimeError("[write] Unable to write N bytes to file.")
             why = str(e)
             if "Unable to write" in why or isinstance(e, OSError):
                 free = free_bytes(path.parent)
-                raise SaveError(errno.EIO, f"cannot write {path}: {why} ({format_size(free)} free on its disk); "
-                                           "the previous copy, if any, is intact") from None
+                raise SaveError(
+                    errno.EIO,
+                    f"cannot write {path}: {why} ({format_size(free)} free on its disk); "
+                    "the previous copy, if any, is intact",
+                ) from None
         raise
     _fsync_path(path.parent, directory=True)
     return path
@@ -119,8 +129,7 @@ def save_safetensors(path, arrays: dict, metadata: Optional[dict] = None) -> Pat
 
     size = sum(a.nbytes for a in arrays.values()) + (64 << 10)  # + header
     mx.eval(list(arrays.values()))
-    return atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=metadata),
-                        expected_bytes=size)
+    return atomic_write(path, lambda tmp: mx.save_safetensors(tmp, arrays, metadata=metadata), expected_bytes=size)
 
 
 def save_json(path, obj, **dump_kwargs) -> Path:

@@ -41,7 +41,6 @@ governor (governor.py) checks the process's RSS after every block.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -177,9 +176,17 @@ class PagedModel:
     ``mlx_lm.generate`` / ``mlx_lm.stream_generate``. Every other attribute
     (``layers``, ``make_cache``, ``args``, ...) is the wrapped model's."""
 
-    def __init__(self, model: nn.Module, weights: PagedWeights, plan: MemoryPlan, config: dict,
-                 act_itemsize: int, prefill_step_size: int, kv_tokens: int,
-                 page_budget: Optional[int] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        weights: PagedWeights,
+        plan: MemoryPlan,
+        config: dict,
+        act_itemsize: int,
+        prefill_step_size: int,
+        kv_tokens: int,
+        page_budget: Optional[int] = None,
+    ):
         self.model = model
         self.weights = weights
         self.plan = plan
@@ -220,8 +227,11 @@ class PagedModel:
         free = p.budget - (p.baseline + p.resident + p.trainable + p.slack + kv)
         allowance = max(p.max_page, free // 4)
         chunk = self.requested_chunk
-        while (self.fixed_page_budget is None and chunk > 16
-               and chunk_working_set(self.config, chunk, kv_tokens) > allowance):
+        while (
+            self.fixed_page_budget is None
+            and chunk > 16
+            and chunk_working_set(self.config, chunk, kv_tokens) > allowance
+        ):
             chunk //= 2
         p.activations = kv + chunk_working_set(self.config, chunk, kv_tokens)
         if self.fixed_page_budget is not None:
@@ -285,10 +295,14 @@ class PagedModel:
         with S.stand_ins(model, lambda i, l: S._Emit(l, h) if i == L - 1 else S._Pass(l)):
             logits = model(inputs, cache=cache, **kwargs)
         after = pager.stats()
-        self.stats.calls.append(CallStats(
-            inputs.shape[1], time.perf_counter() - tic,
-            after["bytes_read"] - before["bytes_read"], after["pages_read"] - before["pages_read"],
-        ))
+        self.stats.calls.append(
+            CallStats(
+                inputs.shape[1],
+                time.perf_counter() - tic,
+                after["bytes_read"] - before["bytes_read"],
+                after["pages_read"] - before["pages_read"],
+            )
+        )
         return logits
 
     # ------------------------------------------------------------ reports --
@@ -416,14 +430,26 @@ def load_paged(
     if adapter_path is not None:
         adapter_path = _check_adapter_path(adapter_path)
     model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
-    tokenizer = load_tokenizer(path, dict(tokenizer_config or {}, trust_remote_code=trust_remote_code),
-                               eos_token_ids=config.get("eos_token_id", None))
+    tokenizer = load_tokenizer(
+        path,
+        dict(tokenizer_config or {}, trust_remote_code=trust_remote_code),
+        eos_token_ids=config.get("eos_token_id", None),
+    )
     model.freeze()
     L = len(BlockList(model).blocks())
     weights = PagedWeights(
-        model, path, budget_bytes=1 << 62, ssd_cache_dir=ssd_cache_dir, store=store,
-        pager_options=dict(policy=policy, readahead=L if readahead is None else readahead,
-                           io_threads=io_threads, direct_io=direct_io, readahead_mode=readahead_mode),
+        model,
+        path,
+        budget_bytes=1 << 62,
+        ssd_cache_dir=ssd_cache_dir,
+        store=store,
+        pager_options=dict(
+            policy=policy,
+            readahead=L if readahead is None else readahead,
+            io_threads=io_threads,
+            direct_io=direct_io,
+            readahead_mode=readahead_mode,
+        ),
         progress=progress,
     )
     if adapter_path is not None:
@@ -431,20 +457,27 @@ def load_paged(
     model.eval()
     adapters = [v for _, v in tree_flatten(model.trainable_parameters())]
     mx.eval(adapters)
-    act = next((s.placeholder.dtype for s in weights.slots[weights.resident_id]
-                if mx.issubdtype(s.placeholder.dtype, mx.floating)), mx.float32)
+    act = next(
+        (
+            s.placeholder.dtype
+            for s in weights.slots[weights.resident_id]
+            if mx.issubdtype(s.placeholder.dtype, mx.floating)
+        ),
+        mx.float32,
+    )
     max_page = weights.max_page_bytes + _io_align()
     plan = MemoryPlan(
-        budget=budget, baseline=process_rss(), resident=weights.resident_bytes + _io_align(),
-        trainable=sum(a.nbytes for a in adapters), activations=0,
+        budget=budget,
+        baseline=process_rss(),
+        resident=weights.resident_bytes + _io_align(),
+        trainable=sum(a.nbytes for a in adapters),
+        activations=0,
         # MLX's buffer cache keeps one freed page frame for the next read.
-        slack=max(48 << 20, max_page + (16 << 20)), max_page=max_page,
+        slack=max(48 << 20, max_page + (16 << 20)),
+        max_page=max_page,
     )
     paged = PagedModel(model, weights, plan, config, act.size, prefill_step_size, max_kv_tokens, page_budget)
     paged.read_rate = measure_read_rate(weights) if measure_read else None
     weights.pin_resident()
     weights.pager.set_schedule([weights.page_ids[i] for i in range(L)], True)
     return paged, tokenizer
-
-
-

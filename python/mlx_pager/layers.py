@@ -117,7 +117,7 @@ class BlockList:
     def blocks(self) -> List[nn.Module]:
         out = []
         for lst, s, n in self.segments:
-            out.extend(lst[s:s + n])
+            out.extend(lst[s : s + n])
         return out
 
     def replace(self, new: List) -> None:
@@ -126,5 +126,5 @@ class BlockList:
             raise ValueError(f"{len(new)} replacements for {self.n} blocks")
         j = 0
         for lst, s, n in self.segments:
-            lst[s:s + n] = new[j:j + n]
+            lst[s : s + n] = new[j : j + n]
             j += n

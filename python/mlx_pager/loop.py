@@ -38,8 +38,12 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     args, model = s.args, s.model
     model.eval()
     batches = []
-    it = iterate_batches(dataset=dataset, batch_size=args.batch_size, max_seq_length=args.max_seq_length,
-                         comm_group=mx.distributed.init())
+    it = iterate_batches(
+        dataset=dataset,
+        batch_size=args.batch_size,
+        max_seq_length=args.max_seq_length,
+        comm_group=mx.distributed.init(),
+    )
     for i, b in enumerate(it):
         if num_batches != -1 and i >= num_batches:
             break
@@ -58,8 +62,9 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
 
     on_block = on_block or check_block
     for g in range(0, len(batches), group):
-        for loss, toks in step.paged_loss(model, s.weights, batches[g:g + group], args.head_chunk_bytes,
-                                          on_block=on_block, blocks=s.blocks):
+        for loss, toks in step.paged_loss(
+            model, s.weights, batches[g : g + group], args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+        ):
             all_losses += loss * toks
             ntokens += toks
             mx.eval(all_losses, ntokens)
@@ -113,13 +118,22 @@ class _Reports:
         self.time += seconds
 
     def state(self) -> dict:
-        return {"losses": float(mx.array(self.losses).item()), "tokens": self.tokens, "steps": self.steps,
-                "time": self.time, "trained_tokens": self.trained_tokens}
+        return {
+            "losses": float(mx.array(self.losses).item()),
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "time": self.time,
+            "trained_tokens": self.trained_tokens,
+        }
 
     def restore(self, st: dict):
         self.losses = mx.array(st["losses"], dtype=mx.float32) if st["steps"] else 0
         self.tokens, self.steps, self.time, self.trained_tokens = (
-            st["tokens"], st["steps"], st["time"], st["trained_tokens"])
+            st["tokens"],
+            st["steps"],
+            st["time"],
+            st["trained_tokens"],
+        )
 
     def take(self, it: int, args, optimizer, s: Session, pager_since: dict) -> dict:
         # Over all ranks, as mlx-lm sums them (this rank's pager figures).
@@ -148,8 +162,16 @@ class _Reports:
 STOPS = (interrupt.Interrupted, BudgetError, PageReadError)
 
 
-def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: PagerCallback, result,
-          resumed: Optional[dict] = None) -> None:
+def train(
+    s: Session,
+    optimizer,
+    train_set,
+    val_set,
+    adapter_file: Path,
+    cb: PagerCallback,
+    result,
+    resumed: Optional[dict] = None,
+) -> None:
     """Trains for args.iters iterations; reports, validates and saves at
     mlx-lm's iterations (see the module docstring). `resumed`: the metadata
     of a resume state already loaded into the model and optimizer
@@ -165,8 +187,9 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
     model.train()
     world = mx.distributed.init()
     # With several ranks (mlx.launch), each takes its share of every batch.
-    batches = iterate_batches(dataset=train_set, batch_size=args.batch_size,
-                              max_seq_length=args.max_seq_length, loop=True, comm_group=world)
+    batches = iterate_batches(
+        dataset=train_set, batch_size=args.batch_size, max_seq_length=args.max_seq_length, loop=True, comm_group=world
+    )
     reports = _Reports()
     pager = weights.pager
     names = [n for n, _ in tree_flatten(model.trainable_parameters())]
@@ -182,8 +205,14 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
         for j in range(1, it + 1):
             next(batches)
             if is_val_point(j):
-                next(iterate_batches(dataset=val_set, batch_size=args.batch_size,
-                                     max_seq_length=args.max_seq_length, comm_group=world))
+                next(
+                    iterate_batches(
+                        dataset=val_set,
+                        batch_size=args.batch_size,
+                        max_seq_length=args.max_seq_length,
+                        comm_group=world,
+                    )
+                )
         reports.restore(resumed["reports"])
         cb.on_message(f"Resuming after iteration {it} from {Path(args.adapter_path) / resume.STATE_FILE}")
     done = it  # the last iteration whose optimizer step is finished
@@ -235,8 +264,14 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
             # segment (segment.py).
             probe = {} if s.block_act_bytes is None and s.first_trained < len(model.layers) else None
             step_losses, step_toks, grads = step.paged_value_and_grad(
-                model, weights, mbs, args.head_chunk_bytes, on_block=on_block, blocks=s.blocks,
-                tail_start=s.tail_start, probe=probe,
+                model,
+                weights,
+                mbs,
+                args.head_chunk_bytes,
+                on_block=on_block,
+                blocks=s.blocks,
+                tail_start=s.tail_start,
+                probe=probe,
             )
             if probe:
                 s.block_act_bytes = probe["block_act_bytes"]  # the tail runs one micro-batch at a time
@@ -253,14 +288,17 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
                 # (a no-op for one), then over the micro-batches.
                 tree = average_gradients(tree_unflatten([(n, grads[n]) for n in names]))
                 if k > 1:
-                    tree = tree_map(lambda g: g / k, tree)
+                    tree = tree_map(lambda g, k=k: g / k, tree)
                 optimizer.update(model, tree)
                 mx.eval(model.trainable_parameters(), optimizer.state)
             _clear_cache(args.clear_cache_threshold)
             elapsed = time.perf_counter() - tic
             after = pager.stats()
             rec = {
-                "type": "step", "iteration": it, "loss": sum(losses) / len(group), "tokens": sum(toks),
+                "type": "step",
+                "iteration": it,
+                "loss": sum(losses) / len(group),
+                "tokens": sum(toks),
                 "step_s": elapsed,
                 "io_wait_s": after["io_wait_s"] - before["io_wait_s"],
                 "bytes_read": after["bytes_read"] - before["bytes_read"],
@@ -298,8 +336,10 @@ def train(s: Session, optimizer, train_set, val_set, adapter_file: Path, cb: Pag
         # the model holds the weights of the last finished optimizer step.
         save_adapters(model, adapter_file, None, cb)
         save_state(done)
-        note = (f"the adapters and resume state of iteration {done} are saved in {Path(args.adapter_path)}; "
-                "continue with --resume")
+        note = (
+            f"the adapters and resume state of iteration {done} are saved in {Path(args.adapter_path)}; "
+            "continue with --resume"
+        )
         if isinstance(e, interrupt.Interrupted):
             raise interrupt.Interrupted(e.signum, note) from None
         raise type(e)(f"{e} {note[0].upper()}{note[1:]}.") from None

@@ -102,9 +102,7 @@ def _config(spec: ModelSpec) -> dict:
         cfg.update(spec.extra)
         return cfg
     if spec.arch not in _ARCH_DEFAULTS:
-        raise ValueError(
-            f"unknown architecture '{spec.arch}': choose one of {sorted(_ARCH_DEFAULTS)}"
-        )
+        raise ValueError(f"unknown architecture '{spec.arch}': choose one of {sorted(_ARCH_DEFAULTS)}")
     cfg = dict(_ARCH_DEFAULTS[spec.arch])
     cfg.update(
         hidden_size=spec.hidden_size,
@@ -151,9 +149,7 @@ def train_tokenizer(path: Path, vocab_size: int, corpus_dir: Path = SAMPLE_DATA)
     for f in sorted(corpus_dir.glob("*.jsonl")):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
-            texts.extend(
-                str(v) for v in rec.values() if isinstance(v, str)
-            )
+            texts.extend(str(v) for v in rec.values() if isinstance(v, str))
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -271,9 +267,7 @@ def generate_model(path, spec: ModelSpec | None = None, force: bool = False) -> 
         mx.clear_cache()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    (tmp / MARKER).write_text(
-        json.dumps({"key": spec.key(), "spec": spec.as_dict(), "weight_bytes": total}, indent=2)
-    )
+    (tmp / MARKER).write_text(json.dumps({"key": spec.key(), "spec": spec.as_dict(), "weight_bytes": total}, indent=2))
     tmp.rename(path)
     return path
 

@@ -65,11 +65,24 @@ def _memory(ax, blocks, budget):
     pages = [b["pages_bytes"] / mb for b in blocks]
     other_mlx = [max(0, (b["mlx_active_bytes"] - b["pinned_bytes"] - b["pages_bytes"])) / mb for b in blocks]
     cache = [b["mlx_cache_bytes"] / mb for b in blocks]
-    rest = [max(0, b["rss_bytes"] / mb - p - q - o - c)
-            for b, p, q, o, c in zip(blocks, pinned, pages, other_mlx, cache)]
-    ax.stackplot(t, pinned, pages, other_mlx, cache, rest,
-                 labels=["pinned page (embeddings, head)", "block pages",
-                         "other MLX (activations, adapters, optimizer)", "MLX buffer cache", "rest of process"])
+    rest = [
+        max(0, b["rss_bytes"] / mb - p - q - o - c) for b, p, q, o, c in zip(blocks, pinned, pages, other_mlx, cache)
+    ]
+    ax.stackplot(
+        t,
+        pinned,
+        pages,
+        other_mlx,
+        cache,
+        rest,
+        labels=[
+            "pinned page (embeddings, head)",
+            "block pages",
+            "other MLX (activations, adapters, optimizer)",
+            "MLX buffer cache",
+            "rest of process",
+        ],
+    )
     ax.plot(t, [b["rss_bytes"] / mb for b in blocks], color="k", lw=1, label="process RSS")
     if budget:
         ax.axhline(budget / mb, color="r", ls="--", lw=1, label="budget")

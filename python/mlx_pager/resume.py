@@ -33,9 +33,24 @@ from . import files
 
 STATE_FILE = "resume_state.safetensors"
 # The options whose change makes a resumed run a different run.
-TRAJECTORY_OPTIONS = ("model", "data", "fine_tune_type", "optimizer", "optimizer_config", "seed", "num_layers",
-                      "batch_size", "learning_rate", "lr_schedule", "lora_parameters", "mask_prompt",
-                      "grad_accumulation_steps", "max_seq_length", "steps_per_eval", "val_batches")
+TRAJECTORY_OPTIONS = (
+    "model",
+    "data",
+    "fine_tune_type",
+    "optimizer",
+    "optimizer_config",
+    "seed",
+    "num_layers",
+    "batch_size",
+    "learning_rate",
+    "lr_schedule",
+    "lora_parameters",
+    "mask_prompt",
+    "grad_accumulation_steps",
+    "max_seq_length",
+    "steps_per_eval",
+    "val_batches",
+)
 
 
 def trajectory_key(args) -> dict:
@@ -49,10 +64,15 @@ def _digest(key: dict) -> str:
 def save(adapter_path: Path, model, optimizer, iteration: int, args, reports: dict) -> Path:
     arrays = {f"adapters.{k}": v for k, v in tree_flatten(model.trainable_parameters())}
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
-    meta = {"iteration": iteration, "key": _digest(trajectory_key(args)),
-            "options": trajectory_key(args), "reports": reports}
-    return files.save_safetensors(Path(adapter_path) / STATE_FILE, arrays,
-                                  metadata={"mlx_pager_resume": json.dumps(meta, default=str)})
+    meta = {
+        "iteration": iteration,
+        "key": _digest(trajectory_key(args)),
+        "options": trajectory_key(args),
+        "reports": reports,
+    }
+    return files.save_safetensors(
+        Path(adapter_path) / STATE_FILE, arrays, metadata={"mlx_pager_resume": json.dumps(meta, default=str)}
+    )
 
 
 class ResumeError(ValueError):
@@ -64,8 +84,10 @@ def load(adapter_path: Path, model, optimizer, args) -> dict:
     `optimizer`; returns the metadata (iteration, reports)."""
     path = Path(adapter_path) / STATE_FILE
     if not path.exists():
-        raise ResumeError(f"--resume: {path} does not exist: resume needs the --adapter-path of a run that saved "
-                          "a checkpoint (--save-every) or was interrupted")
+        raise ResumeError(
+            f"--resume: {path} does not exist: resume needs the --adapter-path of a run that saved "
+            "a checkpoint (--save-every) or was interrupted"
+        )
     try:
         arrays, metadata = mx.load(str(path), return_metadata=True)
         meta = json.loads(metadata["mlx_pager_resume"])
@@ -74,11 +96,13 @@ def load(adapter_path: Path, model, optimizer, args) -> dict:
     if meta["key"] != _digest(trajectory_key(args)):
         now = trajectory_key(args)
         changed = [k for k in TRAJECTORY_OPTIONS if str(meta["options"].get(k)) != str(now.get(k))]
-        raise ResumeError(f"--resume: {path} was saved with other options ({', '.join(changed)} differ): "
-                          "resume with the same options, or train afresh without --resume")
-    adapters = [(k[len("adapters."):], v) for k, v in arrays.items() if k.startswith("adapters.")]
+        raise ResumeError(
+            f"--resume: {path} was saved with other options ({', '.join(changed)} differ): "
+            "resume with the same options, or train afresh without --resume"
+        )
+    adapters = [(k[len("adapters.") :], v) for k, v in arrays.items() if k.startswith("adapters.")]
     model.load_weights(adapters, strict=False)
-    state = [(k[len("optimizer."):], v) for k, v in arrays.items() if k.startswith("optimizer.")]
+    state = [(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")]
     optimizer.state = tree_unflatten(state)
     mx.eval(model.trainable_parameters(), optimizer.state)
     return meta

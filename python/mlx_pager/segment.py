@@ -33,8 +33,10 @@ def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: 
     """default_loss's value from the last hidden state, over the same token
     chunks as step.head_loss (the per-token losses do not depend on the
     chunking; they are summed at once, as default_loss sums them)."""
-    parts = [step._head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
-             for t0, t1 in step.head_chunks(h.shape[1], h.shape[0], step._vocab_size(model), chunk_bytes)]
+    parts = [
+        step._head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
+        for t0, t1 in step.head_chunks(h.shape[1], h.shape[0], step._vocab_size(model), chunk_bytes)
+    ]
     return step._concat(parts).astype(mx.float32).sum() / mb.ntoks
 
 
@@ -60,7 +62,7 @@ def tail_value_and_grad(
     def tail(x, *flat):
         at = 0
         for layer, n, k in zip(layers, names, sizes):
-            layer.update(tree_unflatten(list(zip(n, flat[at:at + k]))))
+            layer.update(tree_unflatten(list(zip(n, flat[at : at + k]))))
             at += k
         for j, layer in enumerate(layers):
             with step.keyed_dropout(layer, keys[start + j]):
@@ -81,7 +83,7 @@ def tail_value_and_grad(
     out: Dict[int, Dict[str, mx.array]] = {}
     at = 1
     for j, (n, k) in enumerate(zip(names, sizes)):
-        out[start + j] = dict(zip(n, grads[at:at + k]))
+        out[start + j] = dict(zip(n, grads[at : at + k]))
         at += k
     return loss, grads[0], out
 
@@ -125,8 +127,7 @@ class Tail:
             self._fns[start] = mx.compile(fn)
         params = [layer.parameters() for layer in layers]
         try:
-            loss, g_h, grads = self._fns[start](h, params, mb.inputs, mb.targets, mb.mask, mb.ntoks,
-                                                mb.calls[start:])
+            loss, g_h, grads = self._fns[start](h, params, mb.inputs, mb.targets, mb.mask, mb.ntoks, mb.calls[start:])
         except Exception as e:  # a trace that fails runs nothing: go uncompiled
             self.uncompiled = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             self._fns.clear()
@@ -143,8 +144,9 @@ def head_bytes(batch: int, seq_len: int, vocab: int) -> int:
     return 3 * batch * seq_len * vocab * 4
 
 
-def choose_start(first: int, footprints: List[int], page_budget: int, block_act_bytes: int,
-                 head_act_bytes: int, act_budget: int) -> int:
+def choose_start(
+    first: int, footprints: List[int], page_budget: int, block_act_bytes: int, head_act_bytes: int, act_budget: int
+) -> int:
     """The smallest s >= first such that the pages of blocks s..L-1 fit in
     the page budget together, and the pages plus the tail's activations (one
     measured block's worth per block, plus the head's) fit in the page and

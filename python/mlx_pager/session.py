@@ -27,10 +27,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import step
+from . import step, swapcache
 from .budget import BudgetError, MemoryPlan, estimate_activations, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
-from . import swapcache
 from .store import PagedWeights
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -81,8 +80,9 @@ def load_lazy(args):
     model_path = model_path_of(args.model)
     swapcache.check_model_files(model_path)  # a corrupt shard: one error naming it
     model, config = load_model(model_path, lazy=True, trust_remote_code=args.trust_remote_code)
-    tokenizer = load_tokenizer(model_path, {"trust_remote_code": args.trust_remote_code},
-                               eos_token_ids=config.get("eos_token_id", None))
+    tokenizer = load_tokenizer(
+        model_path, {"trust_remote_code": args.trust_remote_code}, eos_token_ids=config.get("eos_token_id", None)
+    )
     return model, tokenizer, config, model_path
 
 
@@ -119,8 +119,14 @@ class Session:
         start = L
         if self.block_act_bytes is not None and not self.gov.events:
             head = segment.head_bytes(batch_size, self.seq_len, step._vocab_size(self.model))
-            start = segment.choose_start(self.first_trained, self.page_footprints,
-                                         self.gov.page_budget, self.block_act_bytes, head, self.plan.activations)
+            start = segment.choose_start(
+                self.first_trained,
+                self.page_footprints,
+                self.gov.page_budget,
+                self.block_act_bytes,
+                head,
+                self.plan.activations,
+            )
         if start != self.tail_start:
             self.tail_start = start
             self.use_step_schedule()
@@ -195,19 +201,29 @@ def open_session(
     # minimum must not depend on whether this run wrote it.
     baseline = process_rss()
     weights = PagedWeights(
-        model, model_path,
+        model,
+        model_path,
         budget_bytes=1 << 62,  # set by the governor below
-        ssd_cache_dir=args.ssd_cache_dir, store=args.store,
-        pager_options=dict(policy=args.policy, readahead=args.readahead, io_threads=args.io_threads,
-                           direct_io=args.direct_io, readahead_mode=args.readahead_mode),
+        ssd_cache_dir=args.ssd_cache_dir,
+        store=args.store,
+        pager_options=dict(
+            policy=args.policy,
+            readahead=args.readahead,
+            io_threads=args.io_threads,
+            direct_io=args.direct_io,
+            readahead_mode=args.readahead_mode,
+        ),
         progress=prep_progress,
     )
     release_heap()
     attach_adapters()
     first = step.first_trained_block(model)
 
-    floating = [s.placeholder.dtype for s in weights.slots[weights.resident_id]
-                if mx.issubdtype(s.placeholder.dtype, mx.floating)]
+    floating = [
+        s.placeholder.dtype
+        for s in weights.slots[weights.resident_id]
+        if mx.issubdtype(s.placeholder.dtype, mx.floating)
+    ]
     act_itemsize = (floating[0] if floating else mx.float32).size
     plan_budget, budget_error = 0, None
     try:
@@ -228,8 +244,14 @@ def open_session(
         resident=weights.resident_bytes + IO_ALIGN,
         trainable=trainable_state_bytes(model, args.optimizer.lower(), training),
         activations=estimate_activations(
-            config, args.batch_size, seq_len, args.grad_accumulation_steps, trained,
-            act_itemsize, args.head_chunk_bytes, _largest_weight_elems(weights),
+            config,
+            args.batch_size,
+            seq_len,
+            args.grad_accumulation_steps,
+            trained,
+            act_itemsize,
+            args.head_chunk_bytes,
+            _largest_weight_elems(weights),
         ),
         slack=slack,
         max_page=max_page,
@@ -245,10 +267,17 @@ def open_session(
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)
     session = Session(
-        args=args, model=model, config=config, weights=weights, plan=plan, gov=gov,
-        blocks=step.Blocks(model), first_trained=first,
+        args=args,
+        model=model,
+        config=config,
+        weights=weights,
+        plan=plan,
+        gov=gov,
+        blocks=step.Blocks(model),
+        first_trained=first,
         page_footprints=[weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)],
-        seq_len=seq_len, tail_start=len(model.layers),
+        seq_len=seq_len,
+        tail_start=len(model.layers),
     )
     if training:
         session.use_step_schedule()
@@ -264,6 +293,8 @@ def open_session(
     )
     io = weights.pager.stats()
     if io["buffered_files"]:
-        say(f"Warning: {io['buffered_files']} of {io['buffered_files'] + io['direct_files']} weight files "
-            "refused direct I/O: their reads go through the page cache, dropped after each read.")
+        say(
+            f"Warning: {io['buffered_files']} of {io['buffered_files'] + io['direct_files']} weight files "
+            "refused direct I/O: their reads go through the page cache, dropped after each read."
+        )
     return session

@@ -51,8 +51,11 @@ def _hidden_param(layer) -> Optional[str]:
         params = list(inspect.signature(type(layer).__call__).parameters.values())[1:]
     except (TypeError, ValueError):
         return None
-    return params[0].name if params and params[0].kind in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) else None
+    return (
+        params[0].name
+        if params and params[0].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        else None
+    )
 
 
 def _split_call(layer, args, kwargs):
@@ -282,9 +285,7 @@ def _concat(parts: List[mx.array]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
-def head_loss_and_grad(
-    model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int
-) -> Tuple[mx.array, mx.array]:
+def head_loss_and_grad(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -> Tuple[mx.array, mx.array]:
     """default_loss's value for this micro-batch and its gradient w.r.t. h
     (the last block's output), computed over token chunks."""
     ce_parts, grad_parts = [], []
@@ -292,7 +293,7 @@ def head_loss_and_grad(
         inputs = mb.inputs[:, t0:t1]
         targets, mask = mb.targets[:, t0:t1], mb.mask[:, t0:t1]
 
-        def chunk_loss(hc):
+        def chunk_loss(hc, inputs=inputs, targets=targets, mask=mask):
             ce = _head_ce(model, inputs, targets, mask, hc)
             return ce.astype(mx.float32).sum() / mb.ntoks, ce
 
@@ -334,7 +335,11 @@ def _vocab_size(model: nn.Module) -> int:
     v = getattr(args, "vocab_size", None)
     if v is None:
         v = next(
-            (m.weight.shape[0] for _, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))),
+            (
+                m.weight.shape[0]
+                for _, m in model.named_modules()
+                if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+            ),
             _FALLBACK_VOCAB,
         )
     return int(v)
@@ -344,9 +349,7 @@ def _trainable_names(layer: nn.Module) -> List[str]:
     return [k for k, _ in tree_flatten(layer.trainable_parameters())]
 
 
-def block_vjp(
-    layer: nn.Module, h: mx.array, call, cotangent: mx.array
-) -> Tuple[mx.array, Dict[str, mx.array]]:
+def block_vjp(layer: nn.Module, h: mx.array, call, cotangent: mx.array) -> Tuple[mx.array, Dict[str, mx.array]]:
     """Recomputes the block at h and returns (dL/dh, {adapter name: dL/dparam})
     for the cotangent dL/d(block output)."""
     names = _trainable_names(layer)
@@ -460,8 +463,7 @@ def step_schedule(num_blocks: int, first_trained: int, tail_start: Optional[int]
 
 def _dropout_keys(model: nn.Module, num_blocks: int, num_micro: int):
     """keys[i][m] for block i, micro-batch m; all None without active dropout."""
-    active = any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1
-                 for _, m in model.named_modules())
+    active = any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1 for _, m in model.named_modules())
     if not active:
         return [[None] * num_micro for _ in range(num_blocks)]
     step_key = mx.random.key(int(mx.random.randint(0, 2**31 - 1, ()).item()))
@@ -510,8 +512,7 @@ def paged_value_and_grad(
         with weights.bound(i):
             if i >= first:
                 saved[i] = hs
-            hs = [blocks.forward(i, h, mb.calls[i], keys[i][m])
-                  for m, (h, mb) in enumerate(zip(hs, micro_batches))]
+            hs = [blocks.forward(i, h, mb.calls[i], keys[i][m]) for m, (h, mb) in enumerate(zip(hs, micro_batches))]
             mx.eval(hs)
         if on_block is not None:
             on_block("forward", i)
@@ -530,7 +531,8 @@ def paged_value_and_grad(
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
-                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes)
+                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes
+                )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
                 mx.eval(loss, tail_grads, [] if g_h is None else g_h)
@@ -572,8 +574,14 @@ def paged_value_and_grad(
     return losses, ntoks, grads
 
 
-def paged_loss(model, weights, micro_batches: Sequence[MicroBatch], head_chunk_bytes=64 << 20, on_block=None,
-               blocks: Optional[Blocks] = None):
+def paged_loss(
+    model,
+    weights,
+    micro_batches: Sequence[MicroBatch],
+    head_chunk_bytes=64 << 20,
+    on_block=None,
+    blocks: Optional[Blocks] = None,
+):
     """Forward only (evaluation): losses and token counts per micro-batch."""
     L = len(model.layers)
     blocks = blocks or Blocks(model)

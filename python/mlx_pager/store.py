@@ -21,8 +21,8 @@ arrays of block i into the model, ``unbind(i)`` takes them out again.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -31,9 +31,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .layers import BlockList, NotPageable, architecture
-from ._core import Pager, SwapWriter, combine_digests, rewrite_swap_page, swap_page_bytes
 from . import swapcache
+from ._core import Pager, SwapWriter, combine_digests, rewrite_swap_page, swap_page_bytes
+from .layers import BlockList, NotPageable, architecture
 
 RESIDENT_PAGE = "resident"
 
@@ -197,10 +197,7 @@ class PagedWeights:
                     "use store='auto' or 'swap'"
                 )
             if in_place:
-                tensors = [
-                    (n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2]))
-                    for n in names
-                ]
+                tensors = [(n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2])) for n in names]
                 pid = self.pager.add_page_in_place(page_name, tensors, checksum=self._in_place_checksum(tensors))
                 self._add_slots(pid, self._slots(names, modules, params), "in_place")
             else:
@@ -247,7 +244,8 @@ class PagedWeights:
         key = swapcache.entry_key(self.model_path, self._digests, [(p, n) for p, n, _ in to_swap], params)
         total = sum(swap_page_bytes([params[n].nbytes for n in names]) for _, names, _ in to_swap)
         swap_path, manifest, self._cache_fd = self._cache.entry(
-            key, self.model_path, lambda tmp: self._write_swap(tmp, to_swap, params, progress, total), total)
+            key, self.model_path, lambda tmp: self._write_swap(tmp, to_swap, params, progress, total), total
+        )
         # The entry stays in use (locked against cleanup) while this object lives.
         weakref.finalize(self, swapcache.release, self._cache_fd)
         self.swap_path = swap_path
@@ -298,7 +296,8 @@ class PagedWeights:
         if got != checksum:
             raise swapcache.ModelFileError(
                 f"page '{page_name}' of {self.swap_path} was corrupt and rebuilding it from {self.model_path} "
-                "gave other bytes: the model's files changed during the run; run again to rebuild the cache")
+                "gave other bytes: the model's files changed during the run; run again to rebuild the cache"
+            )
         return True
 
     # -------------------------------------------------------------- binding --

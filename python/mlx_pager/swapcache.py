@@ -62,8 +62,10 @@ def _private_dir(path: Path, what: str = "--ssd-cache-dir") -> Path:
     error otherwise."""
     try:
         if path.exists() and not path.is_dir():
-            raise CacheDirError(errno.ENOTDIR, f"{what} {path} is a file, not a directory: "
-                                               "choose a directory (it is created if missing)")
+            raise CacheDirError(
+                errno.ENOTDIR,
+                f"{what} {path} is a file, not a directory: choose a directory (it is created if missing)",
+            )
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = path / f".probe.{os.getpid()}"
         fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
@@ -72,12 +74,14 @@ def _private_dir(path: Path, what: str = "--ssd-cache-dir") -> Path:
     except CacheDirError:
         raise
     except NotADirectoryError:
-        raise CacheDirError(errno.ENOTDIR, f"{what} {path}: a part of the path is a file, not a directory: "
-                                           "choose a directory") from None
+        raise CacheDirError(
+            errno.ENOTDIR, f"{what} {path}: a part of the path is a file, not a directory: choose a directory"
+        ) from None
     except OSError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
-        raise CacheDirError(e.errno or errno.EACCES, f"{what} {path} is not writable ({why}): "
-                                                     "choose a writable directory") from None
+        raise CacheDirError(
+            e.errno or errno.EACCES, f"{what} {path} is not writable ({why}): choose a writable directory"
+        ) from None
     try:
         if path.stat().st_uid == os.getuid():
             os.chmod(path, 0o700)
@@ -154,8 +158,10 @@ def hash_model_file(path: str, ranges: list[tuple[int, int]]):
         digest, digests, _ = hash_file(path, ranges)
     except RuntimeError as e:
         if "truncated" in str(e):
-            raise ModelFileError(f"{path} is truncated: its tensors end past the end of the file; "
-                                 "the model file is incomplete, download or copy it again") from None
+            raise ModelFileError(
+                f"{path} is truncated: its tensors end past the end of the file; "
+                "the model file is incomplete, download or copy it again"
+            ) from None
         raise ModelFileError(f"cannot read {path}: {e}") from None
     return digest, digests
 
@@ -193,8 +199,7 @@ class SwapCache:
                 changed = True
             out[f] = r
         if changed or set(known) != {Path(f).name for f in out}:
-            _write_json(rec_path, {"path": str(model_path),
-                                   "files": {Path(f).name: r for f, r in out.items()}})
+            _write_json(rec_path, {"path": str(model_path), "files": {Path(f).name: r for f, r in out.items()}})
         return out
 
     # -------------------------------------------------------------- entries --
@@ -230,11 +235,17 @@ class SwapCache:
                     except BaseException as e:
                         tmp.unlink(missing_ok=True)
                         if _is_enospc(e):
-                            raise CacheDirError(errno.ENOSPC, self._full(swap, total_bytes,
-                                                                         shutil.disk_usage(d).free)) from None
+                            raise CacheDirError(
+                                errno.ENOSPC, self._full(swap, total_bytes, shutil.disk_usage(d).free)
+                            ) from None
                         raise
-                    manifest = {"format": FORMAT, "complete": True, "model": str(Path(model_path).resolve()),
-                                "pages": pages, "bytes": swap.stat().st_size}
+                    manifest = {
+                        "format": FORMAT,
+                        "complete": True,
+                        "model": str(Path(model_path).resolve()),
+                        "pages": pages,
+                        "bytes": swap.stat().st_size,
+                    }
                     try:
                         _write_json(manifest_path, manifest)
                     except OSError:
@@ -251,8 +262,10 @@ class SwapCache:
 
     @staticmethod
     def _full(swap: Path, need: int, free: int) -> str:
-        return (f"cannot write the swap file {swap}: it needs {format_size(need)} and its disk has "
-                f"{format_size(free)} free; free some space or choose another --ssd-cache-dir")
+        return (
+            f"cannot write the swap file {swap}: it needs {format_size(need)} and its disk has "
+            f"{format_size(free)} free; free some space or choose another --ssd-cache-dir"
+        )
 
     @staticmethod
     def _complete(manifest_path: Path, swap: Path) -> dict | None:
@@ -338,8 +351,10 @@ def read_index(path) -> dict:
         tensors, _, _ = read_safetensors_index(str(path))
     except (RuntimeError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         why = str(e).replace(f"[read_safetensors_index] {path}: ", "")
-        raise ModelFileError(f"{path} is not a valid safetensors file ({why}): the model file is corrupt or "
-                             "truncated; download or copy it again") from None
+        raise ModelFileError(
+            f"{path} is not a valid safetensors file ({why}): the model file is corrupt or "
+            "truncated; download or copy it again"
+        ) from None
     return tensors
 
 

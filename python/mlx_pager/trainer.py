@@ -31,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import blas, checks, files, interrupt, loop, resume
-from .budget import BudgetError, MemoryPlan
+from .budget import MemoryPlan
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
 from .governor import return_freed_memory_to_os
 from .session import load_lazy, open_session
@@ -86,7 +86,6 @@ DEFAULTS = {
     # plan's fixed part plus this (memory_budget is ignored).
     "page_budget": None,
 }
-
 
 
 @dataclass
@@ -182,8 +181,13 @@ def build_optimizer(args):
 
     lr = build_schedule(args.lr_schedule) if args.lr_schedule else args.learning_rate
     name = args.optimizer.lower()
-    classes = {"adam": optim.Adam, "adamw": optim.AdamW, "muon": optim.Muon,
-               "sgd": optim.SGD, "adafactor": optim.Adafactor}
+    classes = {
+        "adam": optim.Adam,
+        "adamw": optim.AdamW,
+        "muon": optim.Muon,
+        "sgd": optim.SGD,
+        "adafactor": optim.Adafactor,
+    }
     if name not in classes:
         raise ValueError(f"unsupported --optimizer '{args.optimizer}': choose one of {sorted(classes)}")
     return classes[name](learning_rate=lr, **(args.optimizer_config or {}).get(name, {}))
@@ -198,8 +202,9 @@ def _callbacks(args, training_callback) -> Callbacks:
     if mx.distributed.init().rank() != 0:
         return Callbacks([training_callback])
     config = {k: v for k, v in vars(args).items() if k != "quiet"}
-    loggers = get_reporting_callbacks(args.report_to, project_name=args.project_name,
-                                      log_dir=args.adapter_path, config=config)
+    loggers = get_reporting_callbacks(
+        args.report_to, project_name=args.project_name, log_dir=args.adapter_path, config=config
+    )
     cbs: List = []
     if not args.quiet:
         lr = args.learning_rate if isinstance(args.learning_rate, (int, float)) else None
@@ -213,13 +218,25 @@ def _callbacks(args, training_callback) -> Callbacks:
             ("optimizer", f"{args.optimizer} · lr {f'{lr:.1e}' if lr is not None else 'schedule'}"),
             ("batch · iters", f"{args.batch_size} · {args.iters:,}"),
             ("max seq", f"{args.max_seq_length:,}"),
-            ("memory budget", str(args.memory_budget or "80% of RAM")
-             + (f" per rank · {world} ranks" if (world := mx.distributed.init().size()) > 1 else "")),
+            (
+                "memory budget",
+                str(args.memory_budget or "80% of RAM")
+                + (f" per rank · {world} ranks" if (world := mx.distributed.init().size()) > 1 else ""),
+            ),
         ]
         cbs.append(ConsoleReport("mlx-pager lora", rows))
     if args.report:
-        cbs.append(JsonReport(args.report, {"model": str(args.model), "memory_budget": args.memory_budget,
-                                            "batch_size": args.batch_size, "iters": args.iters}))
+        cbs.append(
+            JsonReport(
+                args.report,
+                {
+                    "model": str(args.model),
+                    "memory_budget": args.memory_budget,
+                    "batch_size": args.batch_size,
+                    "iters": args.iters,
+                },
+            )
+        )
     cbs += [loggers, training_callback]
     return Callbacks(cbs)
 
@@ -263,9 +280,15 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
             f"Requested to train {args.num_layers} layers but the model only has {len(model.layers)} layers."
         )
     session = open_session(
-        args, model, config, model_path, [train_cached, valid_cached, test_cached],
-        attach_adapters=lambda: _attach_adapters(args, model, cb), training=args.train,
-        say=cb.on_message, prep_progress=_prep_progress(cb, args.quiet),
+        args,
+        model,
+        config,
+        model_path,
+        [train_cached, valid_cached, test_cached],
+        attach_adapters=lambda: _attach_adapters(args, model, cb),
+        training=args.train,
+        say=cb.on_message,
+        prep_progress=_prep_progress(cb, args.quiet),
     )
     result.plan = session.plan
     result.page_footprints = session.page_footprints
@@ -287,8 +310,7 @@ def _attach_adapters(args, model, cb: PagerCallback):
 
     if args.train:
         mx.random.seed(args.seed)
-        linear_to_lora_layers(model, args.num_layers, args.lora_parameters,
-                              use_dora=(args.fine_tune_type == "dora"))
+        linear_to_lora_layers(model, args.num_layers, args.lora_parameters, use_dora=(args.fine_tune_type == "dora"))
         if args.resume_adapter_file is not None:
             cb.on_message(f"Loading fine-tuned weights from {args.resume_adapter_file}")
             model.load_weights(args.resume_adapter_file, strict=False)
@@ -316,8 +338,9 @@ def _prep_progress(cb: PagerCallback, quiet: bool):
             from .budget import format_size
 
             cb.on_message(f"Writing the swap file ({format_size(total)}, once for this model)")
-            bar = tqdm(total=total, desc="swap file", unit="B", unit_scale=True, disable=quiet,
-                       dynamic_ncols=True, leave=False)
+            bar = tqdm(
+                total=total, desc="swap file", unit="B", unit_scale=True, disable=quiet, dynamic_ncols=True, leave=False
+            )
         bar.update(done - bar.n)
         if done >= total:
             bar.close()

@@ -76,8 +76,7 @@ def run_capped(cmd, limit_bytes: int, timeout: float, env=None) -> Tuple[subproc
         def enter():
             procs.write_text(str(os.getpid()))
 
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=enter, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=enter, env=env)
         peak = int(peak_file.read_text()) if peak_file.exists() else -1
         return proc, peak
     finally:

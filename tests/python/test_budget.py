@@ -7,8 +7,14 @@ from mlx_pager.budget import BudgetError, MemoryPlan, format_size, parse_size
 
 @pytest.mark.parametrize(
     "text, value",
-    [("12GB", 12 * 10**9), ("512MB", 512 * 10**6), ("1.5GiB", int(1.5 * 2**30)),
-     ("900MiB", 900 * 2**20), ("4096", 4096), ("2TB", 2 * 10**12)],
+    [
+        ("12GB", 12 * 10**9),
+        ("512MB", 512 * 10**6),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("900MiB", 900 * 2**20),
+        ("4096", 4096),
+        ("2TB", 2 * 10**12),
+    ],
 )
 def test_valid_budgets(text, value):
     assert parse_size(text) == value
@@ -16,8 +22,15 @@ def test_valid_budgets(text, value):
 
 @pytest.mark.parametrize(
     "text, hint",
-    [("12 GB", "Did you mean 12GB?"), ("12gb", "Did you mean 12GB?"), ("0", "more than zero"),
-     ("-1", "must be positive"), ("lots", "e.g. 12GB"), ("12XB", "unknown unit 'XB'"), ("", "e.g. 12GB")],
+    [
+        ("12 GB", "Did you mean 12GB?"),
+        ("12gb", "Did you mean 12GB?"),
+        ("0", "more than zero"),
+        ("-1", "must be positive"),
+        ("lots", "e.g. 12GB"),
+        ("12XB", "unknown unit 'XB'"),
+        ("", "e.g. 12GB"),
+    ],
 )
 def test_bad_budgets_say_what_to_write(text, hint):
     with pytest.raises(BudgetError) as e:
@@ -27,12 +40,26 @@ def test_bad_budgets_say_what_to_write(text, hint):
 
 
 def test_plan_too_small_names_the_minimum():
-    plan = MemoryPlan(budget=10**8, baseline=5 * 10**7, resident=10**7, trainable=10**6,
-                      activations=2 * 10**7, slack=10**7, max_page=3 * 10**7)
+    plan = MemoryPlan(
+        budget=10**8,
+        baseline=5 * 10**7,
+        resident=10**7,
+        trainable=10**6,
+        activations=2 * 10**7,
+        slack=10**7,
+        max_page=3 * 10**7,
+    )
     assert plan.minimum == 5 * 10**7 + 10**7 + 10**6 + 2 * 10**7 + 10**7 + 3 * 10**7
     with pytest.raises(BudgetError) as e:
         plan.check()
     assert format_size(plan.minimum) in str(e.value)
     assert "one block page" in str(e.value)
-    MemoryPlan(budget=plan.minimum, baseline=5 * 10**7, resident=10**7, trainable=10**6,
-               activations=2 * 10**7, slack=10**7, max_page=3 * 10**7).check()
+    MemoryPlan(
+        budget=plan.minimum,
+        baseline=5 * 10**7,
+        resident=10**7,
+        trainable=10**6,
+        activations=2 * 10**7,
+        slack=10**7,
+        max_page=3 * 10**7,
+    ).check()

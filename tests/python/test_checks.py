@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import SAMPLE
 
 from mlx_pager.cli import lora_main
-
-from conftest import SAMPLE, write_jsonl
 
 
 def lora(capsys, *flags):
@@ -24,9 +23,23 @@ def model(models):
 
 
 def base(model, tmp_path, data=SAMPLE):
-    return ["--model", model, "--train", "--data", data, "--iters", 1, "--num-layers", 2,
-            "--adapter-path", tmp_path / "a",
-            "--ssd-cache-dir", tmp_path / "c", "--memory-budget", "2GB"]
+    return [
+        "--model",
+        model,
+        "--train",
+        "--data",
+        data,
+        "--iters",
+        1,
+        "--num-layers",
+        2,
+        "--adapter-path",
+        tmp_path / "a",
+        "--ssd-cache-dir",
+        tmp_path / "c",
+        "--memory-budget",
+        "2GB",
+    ]
 
 
 def one_line(err: str) -> str:
@@ -35,12 +48,15 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("records, expected", [
-    ([], "has no records"),
-    ([{"txt": "hello"}], "mlx-lm's formats are"),
-    ([{"text": "a"}] * 4 + ["BROKEN"] + [{"text": "b"}], "train.jsonl line 5 is not valid JSON"),
-    ([{"text": "a"}, {"prompt": "p"}], "line 2 lacks ['text']"),
-])
+@pytest.mark.parametrize(
+    "records, expected",
+    [
+        ([], "has no records"),
+        ([{"txt": "hello"}], "mlx-lm's formats are"),
+        ([{"text": "a"}] * 4 + ["BROKEN"] + [{"text": "b"}], "train.jsonl line 5 is not valid JSON"),
+        ([{"text": "a"}, {"prompt": "p"}], "line 2 lacks ['text']"),
+    ],
+)
 def test_bad_data_files(capsys, model, tmp_path, records, expected):
     d = tmp_path / "data"
     d.mkdir()
@@ -60,12 +76,15 @@ def test_missing_data_dir_and_model_dir(capsys, model, tmp_path):
     assert rc == 2 and "config.json" in one_line(err)
 
 
-@pytest.mark.parametrize("flag, value, expected", [
-    ("--batch-size", 0, "--batch-size must be a whole number of at least 1"),
-    ("--readahead", -1, "--readahead must be 0"),
-    ("--iters", 0, "--iters must be"),
-    ("--memory-budget", "abc", "invalid --memory-budget 'abc'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--batch-size", 0, "--batch-size must be a whole number of at least 1"),
+        ("--readahead", -1, "--readahead must be 0"),
+        ("--iters", 0, "--iters must be"),
+        ("--memory-budget", "abc", "invalid --memory-budget 'abc'"),
+    ],
+)
 def test_bad_flags_before_anything_heavy(capsys, model, tmp_path, flag, value, expected):
     rc, err = lora(capsys, *base(model, tmp_path), "--store", "swap", flag, value)
     assert rc == 2 and expected in one_line(err)
@@ -79,7 +98,10 @@ def test_budget_above_physical_memory_is_warned(capsys, model, tmp_path):
 
 
 def test_cli_errors_have_no_traceback_in_a_subprocess(model, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "lora", *map(str, base(model, tmp_path)),
-                          "--batch-size", "0"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "lora", *map(str, base(model, tmp_path)), "--batch-size", "0"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and out.stderr.strip().startswith("mlx-pager: --batch-size")
     assert "Traceback" not in out.stderr

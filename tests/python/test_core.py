@@ -15,12 +15,20 @@ def every_dtype():
     mx.random.seed(5)
     r = mx.random.normal((6, 40))
     arrays = {
-        "f32": r, "f16": r.astype(mx.float16), "bf16": r.astype(mx.bfloat16),
-        "u8": (mx.abs(r) * 40).astype(mx.uint8), "i8": (r * 40).astype(mx.int8),
-        "u16": (mx.abs(r) * 900).astype(mx.uint16), "i16": (r * 900).astype(mx.int16),
-        "u32": (mx.abs(r) * 1e6).astype(mx.uint32), "i32": (r * 1e6).astype(mx.int32),
-        "u64": (mx.abs(r) * 1e9).astype(mx.uint64), "i64": (r * 1e9).astype(mx.int64),
-        "bool": r > 0, "c64": r.astype(mx.complex64), "scalar": mx.array(3.5),
+        "f32": r,
+        "f16": r.astype(mx.float16),
+        "bf16": r.astype(mx.bfloat16),
+        "u8": (mx.abs(r) * 40).astype(mx.uint8),
+        "i8": (r * 40).astype(mx.int8),
+        "u16": (mx.abs(r) * 900).astype(mx.uint16),
+        "i16": (r * 900).astype(mx.int16),
+        "u32": (mx.abs(r) * 1e6).astype(mx.uint32),
+        "i32": (r * 1e6).astype(mx.int32),
+        "u64": (mx.abs(r) * 1e9).astype(mx.uint64),
+        "i64": (r * 1e9).astype(mx.int64),
+        "bool": r > 0,
+        "c64": r.astype(mx.complex64),
+        "scalar": mx.array(3.5),
     }
     w = mx.random.normal((32, 128)).astype(mx.bfloat16)
     q, s, b = mx.quantize(w, group_size=64, bits=4)
@@ -31,7 +39,10 @@ def every_dtype():
 
 def same_bytes(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    flat = lambda x: x.reshape(-1).view(mx.uint8)
+
+    def flat(x):
+        return x.reshape(-1).view(mx.uint8)
+
     return np.array_equal(np.array(flat(a)), np.array(flat(b)))
 
 
@@ -47,8 +58,9 @@ def test_mx_array_crosses_the_boundary_both_ways(tmp_path):
     off = w.write_page(list(arrays.values()))  # mx.array into C++
     w.finish()
     p = Pager(1 << 24)
-    pid = p.add_page_from_swap("p", str(tmp_path / "p.swap"), off,
-                               [(k, a.dtype, list(a.shape)) for k, a in arrays.items()])
+    pid = p.add_page_from_swap(
+        "p", str(tmp_path / "p.swap"), off, [(k, a.dtype, list(a.shape)) for k, a in arrays.items()]
+    )
     got = p.acquire(pid)  # mx.array out of C++
     assert all(isinstance(v, mx.array) for v in got.values())
     for k, a in arrays.items():
@@ -70,8 +82,9 @@ def test_every_dtype_in_place_equals_mx_load(tmp_path):
     y1 = mx.quantized_matmul(x, got["q.weight"], got["q.scales"], got["q.biases"], group_size=64, bits=4)
     y2 = mx.quantized_matmul(x, loaded["q.weight"], loaded["q.scales"], loaded["q.biases"], group_size=64, bits=4)
     assert mx.array_equal(y1, y2).item()
-    assert mx.array_equal(got["bf16"] @ got["f32"].T.astype(mx.bfloat16),
-                          loaded["bf16"] @ loaded["f32"].T.astype(mx.bfloat16)).item()
+    assert mx.array_equal(
+        got["bf16"] @ got["f32"].T.astype(mx.bfloat16), loaded["bf16"] @ loaded["f32"].T.astype(mx.bfloat16)
+    ).item()
     p.release(pid)
     assert p.stats()["direct_files"] == 1
 
@@ -83,8 +96,10 @@ def belady_loads(seq, k):
             continue
         loads += 1
         if len(cache) == k:
-            def next_use(q):
+
+            def next_use(q, t=t):
                 return next((u for u in range(t + 1, len(seq)) if seq[u] == q), len(seq) + 1)
+
             cache.remove(max(cache, key=next_use))
         cache.append(page)
     return loads

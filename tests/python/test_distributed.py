@@ -2,7 +2,6 @@
 `mlx.launch -- mlx_lm.lora` on the same flags: 2 ranks over the ring
 backend on this machine."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +9,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-
 from conftest import SAMPLE
 
 BUDGET = 700 * 10**6
@@ -30,17 +28,25 @@ def launcher():
 
 
 def launch(n, *cmd, timeout=900):
-    return subprocess.run([launcher(), "-n", str(n), "--backend", "ring", "--", *map(str, cmd)],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [launcher(), "-n", str(n), "--backend", "ring", "--", *map(str, cmd)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def ring():
     if launcher() is None:
         pytest.skip("mlx.launch is not installed")
-    out = launch(2, sys.executable, "-c",
-                 "import mlx.core as mx; g = mx.distributed.init(); print(mx.distributed.all_sum(mx.array(1)).item())",
-                 timeout=120)
+    out = launch(
+        2,
+        sys.executable,
+        "-c",
+        "import mlx.core as mx; g = mx.distributed.init(); print(mx.distributed.all_sum(mx.array(1)).item())",
+        timeout=120,
+    )
     if out.returncode != 0 or out.stdout.split() != ["2", "2"]:
         pytest.skip(f"the ring backend does not start on localhost here: {out.stderr[-500:]}")
 
@@ -49,14 +55,51 @@ def test_two_ranks_train_the_adapters_mlx_lm_trains(ring, models, tmp_path):
     model = models("qwen2", 4)
     wrapper = tmp_path / "peak_rss.py"
     wrapper.write_text(PEAK_RSS)
-    flags = ["--model", model, "--train", "--data", SAMPLE, "--iters", 4, "--batch-size", 4, "--num-layers", 2,
-             "--learning-rate", 1e-3, "--steps-per-report", 2, "--steps-per-eval", 2, "--val-batches", 2,
-             "--grad-accumulation-steps", 2, "--seed", 0]
+    flags = [
+        "--model",
+        model,
+        "--train",
+        "--data",
+        SAMPLE,
+        "--iters",
+        4,
+        "--batch-size",
+        4,
+        "--num-layers",
+        2,
+        "--learning-rate",
+        1e-3,
+        "--steps-per-report",
+        2,
+        "--steps-per-eval",
+        2,
+        "--val-batches",
+        2,
+        "--grad-accumulation-steps",
+        2,
+        "--seed",
+        0,
+    ]
     ref = launch(2, sys.executable, "-m", "mlx_lm", "lora", *flags, "--adapter-path", tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    out = launch(2, sys.executable, wrapper, sys.executable, "-m", "mlx_pager.cli", "lora", *flags,
-                 "--adapter-path", tmp_path / "paged", "--memory-budget", BUDGET, "--ssd-cache-dir", tmp_path / "c",
-                 "--report", tmp_path / "r.jsonl")
+    out = launch(
+        2,
+        sys.executable,
+        wrapper,
+        sys.executable,
+        "-m",
+        "mlx_pager.cli",
+        "lora",
+        *flags,
+        "--adapter-path",
+        tmp_path / "paged",
+        "--memory-budget",
+        BUDGET,
+        "--ssd-cache-dir",
+        tmp_path / "c",
+        "--report",
+        tmp_path / "r.jsonl",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = mx.load(str(tmp_path / "ref" / "adapters.safetensors"))
     g = mx.load(str(tmp_path / "paged" / "adapters.safetensors"))

@@ -9,11 +9,10 @@ import sys
 import mlx.core as mx
 import mlx_lm
 import pytest
+from cgroup import run_capped, unavailable_reason
 
 from mlx_pager import PagedTrainer, modelgen
 from mlx_pager.generate import load_paged, min_reads_per_sweep
-
-from cgroup import run_capped, unavailable_reason
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
@@ -26,8 +25,15 @@ def trained(tmp_path_factory, models):
         path = models(arch, bits, num_hidden_layers=6)
         ad = tmp_path_factory.mktemp(f"ad-{arch}")
         PagedTrainer(str(path), memory_budget="4GB", ssd_cache_dir=str(ad / "cache"), quiet=True).lora(
-            modelgen.SAMPLE_DATA, iters=3, batch_size=2, num_layers=3, learning_rate=1e-2,
-            adapter_path=str(ad), steps_per_eval=1000, save_every=1000)
+            modelgen.SAMPLE_DATA,
+            iters=3,
+            batch_size=2,
+            num_layers=3,
+            learning_rate=1e-2,
+            adapter_path=str(ad),
+            steps_per_eval=1000,
+            save_every=1000,
+        )
         out[arch] = (path, ad)
     return out
 
@@ -43,8 +49,9 @@ def test_greedy_tokens_equal_mlx_lm(trained, tmp_path, arch):
     paged, ptok = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"))
     # A page budget of two blocks out of six: pages are read every token.
     pages = [paged.weights.page_bytes(i) for i in range(paged.weights.num_blocks)]
-    paged2, _ = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"),
-                           page_budget=2 * (max(pages) + 4096))
+    paged2, _ = load_paged(
+        str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"), page_budget=2 * (max(pages) + 4096)
+    )
     for pm in (paged, paged2):
         mx.random.seed(0)
         got = [r.token for r in mlx_lm.stream_generate(pm, ptok, PROMPT, max_tokens=24)]
@@ -65,11 +72,16 @@ def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     model, tok = mlx_lm.load(str(path))
     prompt = tok.encode(PROMPT * 3)
     ref = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=4, prefill_step_size=16)]
-    paged, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"), prefill_step_size=16,
-                          page_budget=2 * (paged_page(path, tmp_path) + 4096))
+    paged, _ = load_paged(
+        str(path),
+        ssd_cache_dir=str(tmp_path / "c"),
+        prefill_step_size=16,
+        page_budget=2 * (paged_page(path, tmp_path) + 4096),
+    )
     assert paged.prefill_chunk == 16
-    got = [r.token for r in mlx_lm.stream_generate(paged, tok, prompt, max_tokens=4,
-                                                   prefill_step_size=paged.prefill_chunk)]
+    got = [
+        r.token for r in mlx_lm.stream_generate(paged, tok, prompt, max_tokens=4, prefill_step_size=paged.prefill_chunk)
+    ]
     assert got == ref
     chunks = [c for c in paged.stats.calls if c.tokens > 1]
     assert len(chunks) == -(-(len(prompt) - 1) // 16)
@@ -84,7 +96,7 @@ def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     assert logits.shape[:2] == (1, len(prompt))
     cache_ref = mlx_lm.models.cache.make_prompt_cache(model)
     for t0 in range(0, len(prompt), 16):
-        ref_logits = model(mx.array(prompt[t0:t0 + 16])[None], cache=cache_ref)
+        ref_logits = model(mx.array(prompt[t0 : t0 + 16])[None], cache=cache_ref)
     assert mx.array_equal(logits[:, -1], ref_logits[:, -1]).item()
 
 
@@ -101,16 +113,30 @@ def test_min_reads_per_sweep():
 
 
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "mlx_pager.cli", *args], capture_output=True, text=True,
-                          timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", *args], capture_output=True, text=True, timeout=600, **kw
+    )
 
 
 def test_cli_generate_matches_mlx_lm_cli(trained, tmp_path):
     path, ad = trained["qwen3"]
-    common = ["--model", str(path), "--adapter-path", str(ad), "--prompt", PROMPT, "--max-tokens", "16",
-              "--seed", "0", "--verbose", "False"]
-    ref = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", *common], capture_output=True,
-                         text=True, timeout=600)
+    common = [
+        "--model",
+        str(path),
+        "--adapter-path",
+        str(ad),
+        "--prompt",
+        PROMPT,
+        "--max-tokens",
+        "16",
+        "--seed",
+        "0",
+        "--verbose",
+        "False",
+    ]
+    ref = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", *common], capture_output=True, text=True, timeout=600
+    )
     got = cli("generate", *common, "--memory-budget", "2GB", "--ssd-cache-dir", str(tmp_path / "c"))
     assert ref.returncode == 0 and got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == ref.stdout.strip().splitlines()[-1].strip() or got.stdout == ref.stdout
@@ -118,13 +144,16 @@ def test_cli_generate_matches_mlx_lm_cli(trained, tmp_path):
     assert "tokens-per-sec" in verbose.stdout and "Pager:" in verbose.stdout, verbose.stdout
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--model", "/nonexistent/model"], ["no such directory", "--model"]),
-    (["--budget-model"], ["--memory-budget"]),
-    (["--memory-budget", "12gb"], ["12GB"]),
-    (["--memory-budget", "1MB"], ["too small", "Raise it"]),
-    (["--adapter-path", "/nonexistent/ad"], ["--adapter-path", "adapter_config.json"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--model", "/nonexistent/model"], ["no such directory", "--model"]),
+        (["--budget-model"], ["--memory-budget"]),
+        (["--memory-budget", "12gb"], ["12GB"]),
+        (["--memory-budget", "1MB"], ["too small", "Raise it"]),
+        (["--adapter-path", "/nonexistent/ad"], ["--adapter-path", "adapter_config.json"]),
+    ],
+)
 def test_cli_bad_input_is_one_clear_line(trained, tmp_path, args, words):
     path, _ = trained["llama"]
     base = ["--model", str(path), "--max-tokens", "4", "--ssd-cache-dir", str(tmp_path / "c")]
@@ -139,8 +168,20 @@ def test_cli_bad_input_is_one_clear_line(trained, tmp_path, args, words):
 
 
 def test_make_model(tmp_path):
-    r = cli("make-model", str(tmp_path / "m"), "--layers", "2", "--hidden-size", "64", "--heads", "2",
-            "--kv-heads", "1", "--vocab-size", "300")
+    r = cli(
+        "make-model",
+        str(tmp_path / "m"),
+        "--layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--vocab-size",
+        "300",
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "m" / "config.json").exists()
 
@@ -148,22 +189,44 @@ def test_make_model(tmp_path):
 CAP = 450 * 10**6
 
 
-@pytest.mark.skipif(unavailable_reason() is not None,
-                    reason=f"hard memory cap unavailable: {unavailable_reason()}")
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"hard memory cap unavailable: {unavailable_reason()}")
 def test_generates_under_cap_where_mlx_lm_is_killed(tmp_path_factory, tmp_path):
-    spec = modelgen.ModelSpec(arch="llama", hidden_size=1024, num_hidden_layers=30, intermediate_size=4096,
-                              num_attention_heads=16, num_key_value_heads=4, vocab_size=1024,
-                              dtype="float32", bits=None, seed=1)
+    spec = modelgen.ModelSpec(
+        arch="llama",
+        hidden_size=1024,
+        num_hidden_layers=30,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        dtype="float32",
+        bits=None,
+        seed=1,
+    )
     big = modelgen.generate_model(tmp_path_factory.mktemp("big") / "model", spec)
     assert modelgen.weight_bytes(big) >= 4 * CAP
     common = ["--model", str(big), "--prompt", PROMPT, "--max-tokens", "6", "--seed", "0"]
-    proc, peak = run_capped([sys.executable, "-m", "mlx_pager.cli", "generate", *common,
-                             "--memory-budget", str(CAP), "--ssd-cache-dir", str(tmp_path / "c")],
-                            CAP, timeout=900)
+    proc, peak = run_capped(
+        [
+            sys.executable,
+            "-m",
+            "mlx_pager.cli",
+            "generate",
+            *common,
+            "--memory-budget",
+            str(CAP),
+            "--ssd-cache-dir",
+            str(tmp_path / "c"),
+        ],
+        CAP,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Generation:" in proc.stdout and 0 < peak <= CAP
-    print(f"\nmlx-pager generate under a {CAP / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB\n"
-          + "\n".join(proc.stdout.splitlines()[-4:]))
+    print(
+        f"\nmlx-pager generate under a {CAP / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB\n"
+        + "\n".join(proc.stdout.splitlines()[-4:])
+    )
     lm, lm_peak = run_capped([sys.executable, "-m", "mlx_lm", "generate", *common], CAP, timeout=900)
     assert lm.returncode != 0, "mlx_lm.generate fit under the cap: the test model is too small"
     print(f"mlx_lm.generate under the same cap: exit code {lm.returncode} (peak {lm_peak / 1e6:.0f}MB)")

@@ -28,8 +28,7 @@ def restore_mlx_limits():
 
 def plan(budget, page_budget, max_page=8 << 20):
     fixed = budget - page_budget
-    return MemoryPlan(budget=budget, baseline=fixed, resident=0, trainable=0,
-                      activations=0, slack=0, max_page=max_page)
+    return MemoryPlan(budget=budget, baseline=fixed, resident=0, trainable=0, activations=0, slack=0, max_page=max_page)
 
 
 def test_shrinks_the_page_budget_when_the_process_runs_over():

@@ -18,13 +18,27 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
+
 from mlx_pager import _core, interrupt, swapcache
 from mlx_pager.store import PagedWeights
 from mlx_pager.trainer import DEFAULTS
 from mlx_pager.trainer import run as paged_run
 
-RUN = dict(train=True, batch_size=2, num_layers=2, learning_rate=1e-3, steps_per_report=1, steps_per_eval=1000,
-           save_every=1000, seed=0, val_batches=2, iters=3, memory_budget="4GB", quiet=True, store="swap")
+RUN = dict(
+    train=True,
+    batch_size=2,
+    num_layers=2,
+    learning_rate=1e-3,
+    steps_per_report=1,
+    steps_per_eval=1000,
+    save_every=1000,
+    seed=0,
+    val_batches=2,
+    iters=3,
+    memory_budget="4GB",
+    quiet=True,
+    store="swap",
+)
 
 
 def lazy(path):
@@ -41,8 +55,14 @@ def own_model(models, tmp_path, name="model"):
 
 
 def train(model, data, tmp_path, cache, adapters="adapters", **kw):
-    a = dict(DEFAULTS, **RUN, model=str(model), data=str(data), adapter_path=str(tmp_path / adapters),
-             ssd_cache_dir=str(cache))
+    a = dict(
+        DEFAULTS,
+        **RUN,
+        model=str(model),
+        data=str(data),
+        adapter_path=str(tmp_path / adapters),
+        ssd_cache_dir=str(cache),
+    )
     a.update(kw)
     return paged_run(types.SimpleNamespace(**copy.deepcopy(a)))
 
@@ -71,6 +91,7 @@ def check_pages(w, model_path):
 
 # ------------------------------------------------------------- integrity --
 
+
 def test_flipped_swap_bytes_are_detected_rebuilt_and_train_the_same(models, train_only_data, tmp_path):
     model = models("llama", None)
     cache = tmp_path / "cache"
@@ -93,8 +114,7 @@ def test_flipped_swap_bytes_are_detected_rebuilt_and_train_the_same(models, trai
 
 def test_in_place_page_corrupted_after_start_is_one_error_naming_the_file(models, tmp_path):
     path = own_model(models, tmp_path)
-    w = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path / "cache"),
-                     store="in_place")
+    w = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path / "cache"), store="in_place")
     shard = next(path.glob("model*.safetensors"))
     tensors = _core.read_safetensors_index(str(shard))[0]
     name = next(n for n in tensors if ".layers.1." in n)
@@ -159,11 +179,17 @@ def test_two_runs_started_apart_on_one_fresh_cache_dir_are_both_correct(models, 
     cache = tmp_path / "cache"
     procs = []
     for _ in range(2):
-        procs.append(subprocess.Popen([sys.executable, "-c", TWO_RUNS, str(path), str(cache)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", TWO_RUNS, str(path), str(cache)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
         time.sleep(0.6)
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err
     inodes = {out.split()[1] for out, _ in outs}
     assert len(inodes) == 1  # the second run waited and reused the first's file
@@ -173,11 +199,12 @@ def test_two_runs_started_apart_on_one_fresh_cache_dir_are_both_correct(models, 
 
 # ------------------------------------------------------------ cache dirs --
 
+
 def test_cache_files_are_private(models, tmp_path):
     path = models("llama", None)
     cache = tmp_path / "cache"
     PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap")
-    for root, dirs, files in os.walk(cache):
+    for root, _dirs, files in os.walk(cache):
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700, root
         for f in files:
             assert stat.S_IMODE(os.stat(os.path.join(root, f)).st_mode) == 0o600, f
@@ -191,8 +218,7 @@ def test_interrupted_preparation_leaves_no_partial_file(models, tmp_path):
         raise interrupt.Interrupted(2)
 
     with pytest.raises(interrupt.Interrupted):
-        PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap",
-                     progress=progress)
+        PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap", progress=progress)
     assert not [f for f in cache.rglob("*") if "swap" in f.name]
     w = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap")
     check_pages(w, path)
@@ -216,8 +242,12 @@ def test_leftovers_of_killed_runs_are_cleaned(models, tmp_path):
     (cache / key / "manifest.json").unlink()  # as if killed before the manifest
     w = PagedWeights(lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap")
     assert entries(cache) == sorted([key, "notes"])
-    assert sorted(f.name for f in (cache / key).iterdir()) == ["manifest.json", "pages.swap", "prepare.lock",
-                                                               "use.lock"]
+    assert sorted(f.name for f in (cache / key).iterdir()) == [
+        "manifest.json",
+        "pages.swap",
+        "prepare.lock",
+        "use.lock",
+    ]
     check_pages(w, path)
 
 
@@ -226,12 +256,10 @@ def test_cache_size_cap_removes_least_recently_used_entries(models, tmp_path):
     a, b = own_model(models, tmp_path, "a"), own_model(models, tmp_path, "b")
     wa = PagedWeights(lazy(a), a, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap")
     ka = wa.swap_path.parent.name
-    wb = PagedWeights(lazy(b), b, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap",
-                      cache_max_bytes=1)
+    wb = PagedWeights(lazy(b), b, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap", cache_max_bytes=1)
     assert ka in entries(cache)  # in use by wa: kept, whatever the cap
     del wa
-    wb2 = PagedWeights(lazy(b), b, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap",
-                       cache_max_bytes=1)
+    wb2 = PagedWeights(lazy(b), b, budget_bytes=1 << 30, ssd_cache_dir=str(cache), store="swap", cache_max_bytes=1)
     assert entries(cache) == [wb2.swap_path.parent.name]
     del wb
 
@@ -252,9 +280,27 @@ def one_line_error(out, *needles):
 
 
 def cli_flags(model, data, tmp_path, cache):
-    return ["--model", model, "--train", "--data", data, "--iters", 1, "--batch-size", 2, "--num-layers", 2,
-            "--adapter-path", tmp_path / "ad", "--memory-budget", "4GB", "--store", "swap",
-            "--ssd-cache-dir", cache]
+    return [
+        "--model",
+        model,
+        "--train",
+        "--data",
+        data,
+        "--iters",
+        1,
+        "--batch-size",
+        2,
+        "--num-layers",
+        2,
+        "--adapter-path",
+        tmp_path / "ad",
+        "--memory-budget",
+        "4GB",
+        "--store",
+        "swap",
+        "--ssd-cache-dir",
+        cache,
+    ]
 
 
 def test_cache_dir_that_is_a_file_is_one_line(models, train_only_data, tmp_path):
@@ -266,8 +312,9 @@ def test_cache_dir_that_is_a_file_is_one_line(models, train_only_data, tmp_path)
 
 def _mount_tmpfs(where, *opts):
     where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(("mode=0700",) + opts), "tmpfs", str(where)],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(("mode=0700",) + opts), "tmpfs", str(where)], capture_output=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
 
@@ -313,6 +360,7 @@ def test_enospc_while_writing_the_swap_file_is_one_error_and_no_file(models, tmp
 
 # ----------------------------------------------------------- model files --
 
+
 def test_truncated_shard_is_one_line_naming_the_file(models, train_only_data, tmp_path):
     path = own_model(models, tmp_path)
     shard = next(path.glob("model*.safetensors"))
@@ -332,6 +380,7 @@ def test_flipped_header_is_one_line_naming_the_file(models, train_only_data, tmp
 # -------------------------------------------------------- fault injection --
 
 PAGES = 1 << 20  # a page budget of about two blocks: pages are read every step
+
 
 @pytest.fixture
 def inject(monkeypatch):

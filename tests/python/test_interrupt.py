@@ -9,17 +9,39 @@ import time
 
 import mlx.core as mx
 import pytest
-
 from conftest import SAMPLE
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_saves_and_exits_with_one_line(models, tmp_path, sig, code):
     report = tmp_path / "r.jsonl"
-    cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", "--model", str(models("llama", None)), "--train",
-           "--data", str(SAMPLE), "--iters", "1000", "--batch-size", "2", "--num-layers", "2",
-           "--steps-per-eval", "1000000", "--adapter-path", str(tmp_path / "a"), "--memory-budget", "2GB",
-           "--ssd-cache-dir", str(tmp_path / "c"), "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_pager.cli",
+        "lora",
+        "--model",
+        str(models("llama", None)),
+        "--train",
+        "--data",
+        str(SAMPLE),
+        "--iters",
+        "1000",
+        "--batch-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--steps-per-eval",
+        "1000000",
+        "--adapter-path",
+        str(tmp_path / "a"),
+        "--memory-budget",
+        "2GB",
+        "--ssd-cache-dir",
+        str(tmp_path / "c"),
+        "--report",
+        str(report),
+    ]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -13,14 +13,13 @@ import types
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import SAMPLE, write_jsonl
 from mlx_lm.lora import CONFIG_DEFAULTS
 
 from mlx_pager.callbacks import PagerCallback
 from mlx_pager.plot import load_runs
 from mlx_pager.trainer import DEFAULTS
 from mlx_pager.trainer import run as paged_run
-
-from conftest import SAMPLE, write_jsonl
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # mlx-lm 0.32's table rows: "  ITER    LOSS ▼ ..." and "  ITER    val LOSS    TIMEs"
@@ -37,10 +36,12 @@ def table(stdout: str):
 
 
 def cli(tool, *flags, env=None, timeout=600):
-    cmd = [sys.executable, "-m", "mlx_lm", "lora"] if tool == "mlx_lm" else \
-        [sys.executable, "-m", "mlx_pager.cli", "lora"]
-    return subprocess.run(cmd + [str(f) for f in flags], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    cmd = (
+        [sys.executable, "-m", "mlx_lm", "lora"]
+        if tool == "mlx_lm"
+        else [sys.executable, "-m", "mlx_pager.cli", "lora"]
+    )
+    return subprocess.run(cmd + [str(f) for f in flags], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def mlx_lm_train(args, callback):
@@ -77,15 +78,33 @@ def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulati
     recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
     write_jsonl(data / "train.jsonl", recs[:8])
     write_jsonl(data / "valid.jsonl", recs[8:16])
-    flags = dict(train=True, data=str(data), batch_size=2, num_layers=2, learning_rate=1e-3, iters=7,
-                 grad_accumulation_steps=3, steps_per_report=3, steps_per_eval=2, save_every=2, val_batches=2,
-                 seed=0)
+    flags = dict(
+        train=True,
+        data=str(data),
+        batch_size=2,
+        num_layers=2,
+        learning_rate=1e-3,
+        iters=7,
+        grad_accumulation_steps=3,
+        steps_per_report=3,
+        steps_per_eval=2,
+        save_every=2,
+        val_batches=2,
+        seed=0,
+    )
     model = str(models("llama", None))
     ref, got = Recorder(), Recorder()
     a = dict(CONFIG_DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "ref"))
     mlx_lm_train(types.SimpleNamespace(**copy.deepcopy(a)), ref)
-    b = dict(DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "paged"), memory_budget="2GB",
-             ssd_cache_dir=str(tmp_path / "c"), quiet=True)
+    b = dict(
+        DEFAULTS,
+        **flags,
+        model=model,
+        adapter_path=str(tmp_path / "paged"),
+        memory_budget="2GB",
+        ssd_cache_dir=str(tmp_path / "c"),
+        quiet=True,
+    )
     paged_run(types.SimpleNamespace(**copy.deepcopy(b)), got)
     assert [i for i, *_ in got.train] == [i for i, *_ in ref.train] == [3, 6, 7]
     assert got.train == ref.train
@@ -101,7 +120,7 @@ def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulati
         assert all(mx.array_equal(r[k], g[k]).item() for k in r), n
 
 
-FAKE_WANDB = '''
+FAKE_WANDB = """
 import json, os
 def _rec(kind, **kw):
     with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
@@ -110,7 +129,7 @@ def init(project=None, name=None, dir=None, config=None):
     _rec("init", project=project, name=name)
 def log(data, step=None):
     _rec("log", step=step, data=data)
-'''
+"""
 
 
 def test_console_table_and_report_to_match_mlx_lm(models, tmp_path):
@@ -123,13 +142,40 @@ def test_console_table_and_report_to_match_mlx_lm(models, tmp_path):
     model = models("qwen3", None)
     runs = {}
     for tool in ("mlx_lm", "paged"):
-        env = dict(os.environ, FAKE_WANDB_LOG=str(tmp_path / f"{tool}.jsonl"),
-                   PYTHONPATH=os.pathsep.join([str(fake)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        env = dict(
+            os.environ,
+            FAKE_WANDB_LOG=str(tmp_path / f"{tool}.jsonl"),
+            PYTHONPATH=os.pathsep.join([str(fake)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        )
         extra = ["--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c"] if tool == "paged" else []
-        out = cli(tool, "--model", model, "--train", "--data", SAMPLE, "--iters", 4, "--batch-size", 2,
-                  "--num-layers", 1, "--steps-per-report", 2, "--steps-per-eval", 2, "--val-batches", 2,
-                  "--adapter-path", tmp_path / f"ad-{tool}", "--report-to", "wandb", "--project-name", "proj",
-                  *extra, env=env)
+        out = cli(
+            tool,
+            "--model",
+            model,
+            "--train",
+            "--data",
+            SAMPLE,
+            "--iters",
+            4,
+            "--batch-size",
+            2,
+            "--num-layers",
+            1,
+            "--steps-per-report",
+            2,
+            "--steps-per-eval",
+            2,
+            "--val-batches",
+            2,
+            "--adapter-path",
+            tmp_path / f"ad-{tool}",
+            "--report-to",
+            "wandb",
+            "--project-name",
+            "proj",
+            *extra,
+            env=env,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         calls = [json.loads(l) for l in (tmp_path / f"{tool}.jsonl").read_text().splitlines()]
         runs[tool] = (table(out.stdout), calls)
@@ -139,14 +185,26 @@ def test_console_table_and_report_to_match_mlx_lm(models, tmp_path):
     assert train == ref_train and val == ref_val
     assert calls[0] == dict(ref_calls[0], name="ad-paged") and calls[0]["project"] == "proj"
     keys = ("iteration", "train_loss", "val_loss", "trained_tokens")
-    assert [(c["step"], {k: c["data"].get(k) for k in keys}) for c in calls[1:]] == \
-        [(c["step"], {k: c["data"].get(k) for k in keys}) for c in ref_calls[1:]]
+    assert [(c["step"], {k: c["data"].get(k) for k in keys}) for c in calls[1:]] == [
+        (c["step"], {k: c["data"].get(k) for k in keys}) for c in ref_calls[1:]
+    ]
     assert all("pager_bytes_read" in c["data"] for c in calls[1:] if "train_loss" in c["data"])
 
 
 def test_missing_logger_is_mlx_lm_error_in_one_line(models, tmp_path):
-    flags = ["--model", models("llama", 4), "--train", "--data", SAMPLE, "--iters", 1,
-             "--report-to", "wandb", "--adapter-path", tmp_path / "a"]
+    flags = [
+        "--model",
+        models("llama", 4),
+        "--train",
+        "--data",
+        SAMPLE,
+        "--iters",
+        1,
+        "--report-to",
+        "wandb",
+        "--adapter-path",
+        tmp_path / "a",
+    ]
     ref = cli("mlx_lm", *flags)
     assert ref.returncode != 0 and "wandb is not installed" in ref.stderr
     expected = ref.stderr.strip().splitlines()[-1].split(": ", 1)[1]  # "ImportError: <message>"
@@ -158,12 +216,44 @@ def test_missing_logger_is_mlx_lm_error_in_one_line(models, tmp_path):
 
 def test_test_alone_evaluates_saved_adapters_like_mlx_lm(models, tmp_path):
     model = models("llama", 4)
-    train = cli("paged", "--model", model, "--train", "--data", SAMPLE, "--iters", 3, "--batch-size", 2,
-                "--num-layers", 2, "--learning-rate", 1e-3, "--adapter-path", tmp_path / "ad",
-                "--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c", "--steps-per-eval", 100)
+    train = cli(
+        "paged",
+        "--model",
+        model,
+        "--train",
+        "--data",
+        SAMPLE,
+        "--iters",
+        3,
+        "--batch-size",
+        2,
+        "--num-layers",
+        2,
+        "--learning-rate",
+        1e-3,
+        "--adapter-path",
+        tmp_path / "ad",
+        "--memory-budget",
+        "2GB",
+        "--ssd-cache-dir",
+        tmp_path / "c",
+        "--steps-per-eval",
+        100,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
-    flags = ["--model", model, "--test", "--data", SAMPLE, "--batch-size", 2, "--test-batches", 4,
-             "--adapter-path", tmp_path / "ad"]
+    flags = [
+        "--model",
+        model,
+        "--test",
+        "--data",
+        SAMPLE,
+        "--batch-size",
+        2,
+        "--test-batches",
+        4,
+        "--adapter-path",
+        tmp_path / "ad",
+    ]
     ref = cli("mlx_lm", *flags)
     out = cli("paged", *flags, "--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c")
     assert ref.returncode == 0 and out.returncode == 0, out.stderr[-3000:]
@@ -177,8 +267,18 @@ def test_test_alone_evaluates_saved_adapters_like_mlx_lm(models, tmp_path):
 def test_full_fine_tuning_is_refused_and_marked_in_help(models, tmp_path):
     help_text = " ".join(cli("paged", "--help").stdout.split())
     assert "full is refused" in help_text
-    out = cli("paged", "--model", models("llama", 4), "--train", "--data", SAMPLE, "--fine-tune-type", "full",
-              "--adapter-path", tmp_path / "a")
+    out = cli(
+        "paged",
+        "--model",
+        models("llama", 4),
+        "--train",
+        "--data",
+        SAMPLE,
+        "--fine-tune-type",
+        "full",
+        "--adapter-path",
+        tmp_path / "a",
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("mlx-pager: --fine-tune-type full is not supported")
 
@@ -199,9 +299,20 @@ def test_plot_draws_each_run_of_a_report_on_its_own(tmp_path):
     for run in range(2):
         lines.append({"type": "run", "model": f"m{run}", "memory_budget": "1GB"})
         for it in (1, 2):
-            lines.append({"type": "block", "t": it, "phase": "forward", "block": 0, "rss_bytes": 5e8,
-                          "pages_bytes": 1e8, "pinned_bytes": 1e7, "mlx_active_bytes": 2e8,
-                          "mlx_cache_bytes": 1e7, "in_flight_pages": 0})
+            lines.append(
+                {
+                    "type": "block",
+                    "t": it,
+                    "phase": "forward",
+                    "block": 0,
+                    "rss_bytes": 5e8,
+                    "pages_bytes": 1e8,
+                    "pinned_bytes": 1e7,
+                    "mlx_active_bytes": 2e8,
+                    "mlx_cache_bytes": 1e7,
+                    "in_flight_pages": 0,
+                }
+            )
             lines.append({"type": "step", "iteration": it, "step_s": 1.0, "io_wait_s": 0.2})
     # and an older file's run without a header: its iterations start again
     lines += [{"type": "step", "iteration": 1, "step_s": 1.0, "io_wait_s": 0.1}]
@@ -209,12 +320,17 @@ def test_plot_draws_each_run_of_a_report_on_its_own(tmp_path):
     runs = load_runs(report)
     assert [len(r.steps) for r in runs] == [2, 2, 1]
     assert [r.header.get("model") for r in runs] == ["m0", "m1", None]
-    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(report), "--budget", "1GB"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "plot", str(report), "--budget", "1GB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "r.png").stat().st_size > 10_000
-    bad = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "none.jsonl")],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "none.jsonl")], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 

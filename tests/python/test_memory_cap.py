@@ -9,24 +9,33 @@ import json
 import sys
 
 import pytest
-
-from mlx_pager import modelgen
-
 from cgroup import run_capped, unavailable_reason
 from conftest import SAMPLE, write_jsonl
 
+from mlx_pager import modelgen
+
 CAP = 450 * 10**6
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=f"hard memory cap unavailable: {unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"hard memory cap unavailable: {unavailable_reason()}"
+)
 
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory):
     # float32 (4 bytes a weight) keeps compute per GB low; 30 blocks of ~62MB.
-    spec = modelgen.ModelSpec(arch="llama", hidden_size=1024, num_hidden_layers=30,
-                              intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
-                              vocab_size=1024, dtype="float32", bits=None, seed=1)
+    spec = modelgen.ModelSpec(
+        arch="llama",
+        hidden_size=1024,
+        num_hidden_layers=30,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        dtype="float32",
+        bits=None,
+        seed=1,
+    )
     path = modelgen.generate_model(tmp_path_factory.mktemp("big") / "model", spec)
     assert modelgen.weight_bytes(path) >= 4 * CAP
     return path
@@ -41,11 +50,35 @@ def one_batch_data(tmp_path):
 
 
 def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data, tmp_path):
-    pager_cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", "--model", str(big_model), "--train",
-                 "--data", str(one_batch_data), "--iters", "5", "--batch-size", "2", "--num-layers", "2",
-                 "--learning-rate", "3e-4", "--steps-per-report", "1", "--memory-budget", str(CAP),
-                 "--adapter-path", str(tmp_path / "ad"), "--ssd-cache-dir", str(tmp_path / "c"),
-                 "--report", str(tmp_path / "steps.jsonl")]
+    pager_cmd = [
+        sys.executable,
+        "-m",
+        "mlx_pager.cli",
+        "lora",
+        "--model",
+        str(big_model),
+        "--train",
+        "--data",
+        str(one_batch_data),
+        "--iters",
+        "5",
+        "--batch-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--learning-rate",
+        "3e-4",
+        "--steps-per-report",
+        "1",
+        "--memory-budget",
+        str(CAP),
+        "--adapter-path",
+        str(tmp_path / "ad"),
+        "--ssd-cache-dir",
+        str(tmp_path / "c"),
+        "--report",
+        str(tmp_path / "steps.jsonl"),
+    ]
     proc, peak = run_capped(pager_cmd, CAP, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(l) for l in (tmp_path / "steps.jsonl").read_text().splitlines()]
@@ -55,12 +88,30 @@ def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data
     assert all(l == l and abs(l) < 1e6 for l in losses), losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert 0 < peak <= CAP
-    print(f"\nmlx-pager under a {CAP / 1e6:.0f}MB cap: model {modelgen.weight_bytes(big_model) / 1e9:.2f}GB, "
-          f"cgroup peak {peak / 1e6:.0f}MB, losses {[round(l, 3) for l in losses]}")
+    print(
+        f"\nmlx-pager under a {CAP / 1e6:.0f}MB cap: model {modelgen.weight_bytes(big_model) / 1e9:.2f}GB, "
+        f"cgroup peak {peak / 1e6:.0f}MB, losses {[round(l, 3) for l in losses]}"
+    )
 
-    lm_cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(big_model), "--train", "--data",
-              str(one_batch_data), "--iters", "2", "--batch-size", "2", "--num-layers", "2",
-              "--adapter-path", str(tmp_path / "lm_ad")]
+    lm_cmd = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "lora",
+        "--model",
+        str(big_model),
+        "--train",
+        "--data",
+        str(one_batch_data),
+        "--iters",
+        "2",
+        "--batch-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--adapter-path",
+        str(tmp_path / "lm_ad"),
+    ]
     lm, lm_peak = run_capped(lm_cmd, CAP, timeout=900)
     assert lm.returncode != 0, "mlx_lm.lora fit under the cap: the test model is too small"
     print(f"mlx_lm.lora under the same cap: exit code {lm.returncode} (peak {lm_peak / 1e6:.0f}MB)")

@@ -9,7 +9,6 @@ import time
 
 import mlx.core as mx
 import pytest
-
 from conftest import SAMPLE, write_jsonl
 
 
@@ -17,12 +16,45 @@ def flags(model, data, tmp_path, name, iters=8):
     # 8 train records at batch 2: an epoch every 4 batches, so the resumed
     # run must replay the batch order across epochs; validation every 3
     # iterations draws from the same generator.
-    return [sys.executable, "-m", "mlx_pager.cli", "lora", "--model", str(model), "--train", "--data", str(data),
-            "--iters", str(iters), "--batch-size", "2", "--num-layers", "2", "--learning-rate", "1e-3",
-            "--steps-per-report", "1", "--steps-per-eval", "3", "--val-batches", "1", "--save-every", "1",
-            "--grad-accumulation-steps", "2", "--seed", "0",
-            "--adapter-path", str(tmp_path / name), "--memory-budget", "2GB", "--ssd-cache-dir",
-            str(tmp_path / "c"), "--report", str(tmp_path / f"{name}.jsonl")]
+    return [
+        sys.executable,
+        "-m",
+        "mlx_pager.cli",
+        "lora",
+        "--model",
+        str(model),
+        "--train",
+        "--data",
+        str(data),
+        "--iters",
+        str(iters),
+        "--batch-size",
+        "2",
+        "--num-layers",
+        "2",
+        "--learning-rate",
+        "1e-3",
+        "--steps-per-report",
+        "1",
+        "--steps-per-eval",
+        "3",
+        "--val-batches",
+        "1",
+        "--save-every",
+        "1",
+        "--grad-accumulation-steps",
+        "2",
+        "--seed",
+        "0",
+        "--adapter-path",
+        str(tmp_path / name),
+        "--memory-budget",
+        "2GB",
+        "--ssd-cache-dir",
+        str(tmp_path / "c"),
+        "--report",
+        str(tmp_path / f"{name}.jsonl"),
+    ]
 
 
 def losses(report):
@@ -47,16 +79,18 @@ def test_kill_9_then_resume_is_bitwise_the_uninterrupted_run(models, data, tmp_p
 
     p = subprocess.Popen(flags(model, data, tmp_path, "cut"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
-    while time.time() < deadline and len(losses(tmp_path / "cut.jsonl") if (tmp_path / "cut.jsonl").exists()
-                                         else {}) < 2:
+    while (
+        time.time() < deadline and len(losses(tmp_path / "cut.jsonl") if (tmp_path / "cut.jsonl").exists() else {}) < 2
+    ):
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)  # somewhere in step 3 (iterations 5-6), or in a save
     p.wait()
     cut = losses(tmp_path / "cut.jsonl")
     assert 2 <= len(cut) < 4
     print(f"\nkilled after steps {sorted(cut)}; uninterrupted losses {ref}")
-    resumed = subprocess.run(flags(model, data, tmp_path, "cut") + ["--resume"], capture_output=True, text=True,
-                             timeout=600)
+    resumed = subprocess.run(
+        flags(model, data, tmp_path, "cut") + ["--resume"], capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "Resuming after iteration" in resumed.stdout
     after = losses(tmp_path / "cut.jsonl")  # the report file holds both runs
@@ -75,6 +109,7 @@ def test_resume_with_other_options_is_refused(models, data, tmp_path):
     other = [f if f != "1e-3" else "2e-3" for f in flags(model, data, tmp_path, "a", iters=4)]
     out = subprocess.run(other + ["--resume"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "learning_rate" in out.stderr and "Traceback" not in out.stderr
-    missing = subprocess.run(flags(model, data, tmp_path, "none") + ["--resume"], capture_output=True, text=True,
-                             timeout=600)
+    missing = subprocess.run(
+        flags(model, data, tmp_path, "none") + ["--resume"], capture_output=True, text=True, timeout=600
+    )
     assert missing.returncode == 2 and "resume_state.safetensors does not exist" in missing.stderr

@@ -9,13 +9,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from conftest import SAMPLE
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 from mlx_lm.tuner.trainer import default_loss, iterate_batches
+
 from mlx_pager import architectures as A
 from mlx_pager import step as S
-
-from conftest import SAMPLE
 
 LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 
@@ -171,8 +171,9 @@ def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, b
     L = len(model.layers)
     for s in range(L - 3, L + 1):
         before = w.pager.stats()["acquires"]
-        losses, _, grads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*b) for b in bs],
-                                                  head_chunk_bytes=20_000, tail_start=s)
+        losses, _, grads = S.paged_value_and_grad(
+            model, w, [S.MicroBatch.from_batch(*b) for b in bs], head_chunk_bytes=20_000, tail_start=s
+        )
         assert [x.item() for x in losses] == ref_losses, s
         assert_bitwise(total, grads)
         assert w.pager.stats()["acquires"] - before == L + (s - (L - 3)), s

@@ -9,19 +9,27 @@ import types
 import mlx.core as mx
 import mlx_lm
 import pytest
+from conftest import SAMPLE, write_jsonl
 from mlx_lm.lora import CONFIG_DEFAULTS
 from mlx_lm.lora import run as mlx_lm_run
+from test_lora_cli import table
 
 from mlx_pager import PagedTrainer
 from mlx_pager.budget import BudgetError
 from mlx_pager.trainer import DEFAULTS
 from mlx_pager.trainer import run as paged_run
 
-from conftest import SAMPLE, write_jsonl
-from test_lora_cli import table
-
-COMMON = dict(train=True, batch_size=2, num_layers=2, learning_rate=1e-3, steps_per_report=5,
-              steps_per_eval=1000, save_every=1000, seed=0, val_batches=2)
+COMMON = dict(
+    train=True,
+    batch_size=2,
+    num_layers=2,
+    learning_rate=1e-3,
+    steps_per_report=5,
+    steps_per_eval=1000,
+    save_every=1000,
+    seed=0,
+    val_batches=2,
+)
 
 
 def both(model, data, tmp_path, **kw):
@@ -30,12 +38,23 @@ def both(model, data, tmp_path, **kw):
     a = dict(CONFIG_DEFAULTS, **COMMON, model=str(model), data=str(data), adapter_path=str(tmp_path / "ref"))
     a.update(kw)
     mlx_lm_run(types.SimpleNamespace(**copy.deepcopy(a)))
-    b = dict(DEFAULTS, **COMMON, model=str(model), data=str(data), adapter_path=str(tmp_path / "paged"),
-             memory_budget="4GB", ssd_cache_dir=str(tmp_path / "cache"), quiet=True)
+    b = dict(
+        DEFAULTS,
+        **COMMON,
+        model=str(model),
+        data=str(data),
+        adapter_path=str(tmp_path / "paged"),
+        memory_budget="4GB",
+        ssd_cache_dir=str(tmp_path / "cache"),
+        quiet=True,
+    )
     b.update(kw)
     res = paged_run(types.SimpleNamespace(**copy.deepcopy(b)))
-    return (mx.load(str(tmp_path / "ref" / "adapters.safetensors")),
-            mx.load(str(tmp_path / "paged" / "adapters.safetensors")), res)
+    return (
+        mx.load(str(tmp_path / "ref" / "adapters.safetensors")),
+        mx.load(str(tmp_path / "paged" / "adapters.safetensors")),
+        res,
+    )
 
 
 def assert_same_adapters(ref, got):
@@ -57,10 +76,8 @@ def test_twenty_steps_give_mlx_lm_adapters(models, train_only_data, tmp_path, ar
 def test_grad_accumulation_and_mask_prompt_match_mlx_lm(models, tmp_path):
     data = tmp_path / "pc"
     recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
-    write_jsonl(data / "train.jsonl",
-                [{"prompt": r["text"][:40], "completion": r["text"][40:]} for r in recs[:60]])
-    ref, got, res = both(models("llama", None), data, tmp_path, iters=6, grad_accumulation_steps=3,
-                         mask_prompt=True)
+    write_jsonl(data / "train.jsonl", [{"prompt": r["text"][:40], "completion": r["text"][40:]} for r in recs[:60]])
+    ref, got, res = both(models("llama", None), data, tmp_path, iters=6, grad_accumulation_steps=3, mask_prompt=True)
     assert_same_adapters(ref, got)
     # layer-major accumulation: 4 blocks forward + 2 backward per optimizer
     # step of 3 micro-batches, not 3 x 6; from the second step the 2 trained
@@ -71,8 +88,9 @@ def test_grad_accumulation_and_mask_prompt_match_mlx_lm(models, tmp_path):
 def test_chat_data_with_validation(models, tmp_path):
     data = tmp_path / "chat"
     recs = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
-    chats = [{"messages": [{"role": "user", "content": t[:30]}, {"role": "assistant", "content": t[30:]}]}
-             for t in recs[:40]]
+    chats = [
+        {"messages": [{"role": "user", "content": t[:30]}, {"role": "assistant", "content": t[30:]}]} for t in recs[:40]
+    ]
     write_jsonl(data / "train.jsonl", chats[:30])
     write_jsonl(data / "valid.jsonl", chats[30:])
     ref, got, res = both(models("qwen3", None), data, tmp_path, iters=4, steps_per_eval=2)
@@ -83,8 +101,9 @@ def test_chat_data_with_validation(models, tmp_path):
 def test_adapters_load_in_mlx_lm_and_generate(models, tmp_path):
     model_path = models("llama", 4)
     t = PagedTrainer(str(model_path), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
-    res = t.lora(SAMPLE, lora_rank=4, iters=3, batch_size=2, num_layers=2,
-                 adapter_path=str(tmp_path / "ad"), steps_per_eval=1000)
+    res = t.lora(
+        SAMPLE, lora_rank=4, iters=3, batch_size=2, num_layers=2, adapter_path=str(tmp_path / "ad"), steps_per_eval=1000
+    )
     assert res.adapter_file.exists()
     model, tok = mlx_lm.load(str(model_path), adapter_path=str(tmp_path / "ad"))
     ours = mx.load(str(res.adapter_file))
@@ -92,9 +111,24 @@ def test_adapters_load_in_mlx_lm_and_generate(models, tmp_path):
     for k, v in ours.items():
         assert mx.array_equal(loaded[k], v).item()
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model_path), "--adapter-path",
-         str(tmp_path / "ad"), "--prompt", "The capital", "--max-tokens", "4"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--model",
+            str(model_path),
+            "--adapter-path",
+            str(tmp_path / "ad"),
+            "--prompt",
+            "The capital",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -107,12 +141,26 @@ def mlx_lm_tree(model):
 def test_resume_continues_from_saved_adapters(models, tmp_path):
     model_path = models("llama", None)
     t = PagedTrainer(str(model_path), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
-    first = t.lora(SAMPLE, iters=4, batch_size=2, num_layers=2, learning_rate=1e-3,
-                   adapter_path=str(tmp_path / "a1"), steps_per_eval=1000)
+    first = t.lora(
+        SAMPLE,
+        iters=4,
+        batch_size=2,
+        num_layers=2,
+        learning_rate=1e-3,
+        adapter_path=str(tmp_path / "a1"),
+        steps_per_eval=1000,
+    )
     saved = mx.load(str(first.adapter_file))
-    second = t.lora(SAMPLE, iters=4, batch_size=2, num_layers=2, learning_rate=1e-3,
-                    adapter_path=str(tmp_path / "a2"), steps_per_eval=1000,
-                    resume_adapter_file=str(first.adapter_file))
+    second = t.lora(
+        SAMPLE,
+        iters=4,
+        batch_size=2,
+        num_layers=2,
+        learning_rate=1e-3,
+        adapter_path=str(tmp_path / "a2"),
+        steps_per_eval=1000,
+        resume_adapter_file=str(first.adapter_file),
+    )
     after = mx.load(str(second.adapter_file))
     # It started from the saved adapters (lora_b is zero at a fresh start)...
     assert any(mx.abs(v).sum().item() > 0 for k, v in saved.items() if k.endswith("lora_b"))
@@ -124,8 +172,9 @@ def test_resume_continues_from_saved_adapters(models, tmp_path):
 
 @pytest.mark.parametrize("budget", ["12 GB", "12gb", "0", "-1", "lots"])
 def test_bad_budget_is_refused_before_anything_heavy(models, budget, tmp_path):
-    t = PagedTrainer(str(models("llama", 4)), memory_budget=budget, ssd_cache_dir=str(tmp_path / "c"), quiet=True,
-                     store="swap")
+    t = PagedTrainer(
+        str(models("llama", 4)), memory_budget=budget, ssd_cache_dir=str(tmp_path / "c"), quiet=True, store="swap"
+    )
     with pytest.raises(BudgetError) as e:
         t.lora(SAMPLE, iters=1, num_layers=2, adapter_path=str(tmp_path / "a"))
     msg = str(e.value)
@@ -136,30 +185,75 @@ def test_bad_budget_is_refused_before_anything_heavy(models, budget, tmp_path):
 
 def test_cli_budget_too_small_exits_with_the_minimum(models, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_pager.cli", "lora", "--model", str(models("llama", 4)), "--train",
-         "--data", str(SAMPLE), "--num-layers", "2", "--iters", "1", "--memory-budget", "20MB",
-         "--adapter-path", str(tmp_path / "a"), "--ssd-cache-dir", str(tmp_path / "c")],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mlx_pager.cli",
+            "lora",
+            "--model",
+            str(models("llama", 4)),
+            "--train",
+            "--data",
+            str(SAMPLE),
+            "--num-layers",
+            "2",
+            "--iters",
+            "1",
+            "--memory-budget",
+            "20MB",
+            "--adapter-path",
+            str(tmp_path / "a"),
+            "--ssd-cache-dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert "too small" in out.stderr and "at least" in out.stderr and "one block page" in out.stderr
 
 
 def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
-    help_text = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "lora", "--help"],
-                               capture_output=True, text=True).stdout
-    for flag in ["--model", "--train", "--data", "--fine-tune-type", "--num-layers", "--batch-size",
-                 "--iters", "--learning-rate", "--max-seq-length", "--adapter-path",
-                 "--resume-adapter-file", "--save-every", "--steps-per-report", "--steps-per-eval",
-                 "--val-batches", "--grad-accumulation-steps", "--mask-prompt", "--seed", "--config",
-                 "--memory-budget", "--ssd-cache-dir"]:
+    help_text = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "lora", "--help"], capture_output=True, text=True
+    ).stdout
+    for flag in [
+        "--model",
+        "--train",
+        "--data",
+        "--fine-tune-type",
+        "--num-layers",
+        "--batch-size",
+        "--iters",
+        "--learning-rate",
+        "--max-seq-length",
+        "--adapter-path",
+        "--resume-adapter-file",
+        "--save-every",
+        "--steps-per-report",
+        "--steps-per-eval",
+        "--val-batches",
+        "--grad-accumulation-steps",
+        "--mask-prompt",
+        "--seed",
+        "--config",
+        "--memory-budget",
+        "--ssd-cache-dir",
+    ]:
         assert flag in help_text, flag
     cfg = tmp_path / "lora.yaml"
-    cfg.write_text(f"model: {models('qwen3', None)}\ntrain: true\ndata: {SAMPLE}\niters: 2\n"
-                   f"num_layers: 1\nbatch_size: 2\nadapter_path: {tmp_path / 'ad'}\n"
-                   f"memory_budget: 1GB\nssd_cache_dir: {tmp_path / 'c'}\nsteps_per_eval: 100\n")
-    out = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "lora", "-c", str(cfg),
-                          "--report", str(tmp_path / "r.jsonl")],
-                         capture_output=True, text=True, timeout=300)
+    cfg.write_text(
+        f"model: {models('qwen3', None)}\ntrain: true\ndata: {SAMPLE}\niters: 2\n"
+        f"num_layers: 1\nbatch_size: 2\nadapter_path: {tmp_path / 'ad'}\n"
+        f"memory_budget: 1GB\nssd_cache_dir: {tmp_path / 'c'}\nsteps_per_eval: 100\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "lora", "-c", str(cfg), "--report", str(tmp_path / "r.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     train_rows, _ = table(out.stdout)
     assert [it for it, _ in train_rows] == ["2"]  # mlx-lm's table: a report at the last iteration
@@ -175,8 +269,12 @@ def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
     # measured); step 2: 3 blocks forward, the trained block as the tail.
     assert phases == ["forward"] * 4 + ["backward"] + ["forward"] * 3 + ["tail"]
     assert "eval" in {b["phase"] for b in blocks}
-    png = subprocess.run([sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "r.jsonl"),
-                          "--budget", "1GB"], capture_output=True, text=True, timeout=300)
+    png = subprocess.run(
+        [sys.executable, "-m", "mlx_pager.cli", "plot", str(tmp_path / "r.jsonl"), "--budget", "1GB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert png.returncode == 0, png.stderr
     assert (tmp_path / "r.png").stat().st_size > 10_000
 
@@ -186,15 +284,29 @@ def test_api_lora_parameters_are_honoured_like_mlx_lm(models, train_only_data, t
     keys: the adapters are mlx_lm.lora's on the same options, bit for bit."""
     lora = {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "mlp.down_proj"]}
     model = models("llama", None)
-    a = dict(CONFIG_DEFAULTS, **COMMON, model=str(model), data=str(train_only_data),
-             adapter_path=str(tmp_path / "ref"), iters=3, lora_parameters=lora)
+    a = dict(
+        CONFIG_DEFAULTS,
+        **COMMON,
+        model=str(model),
+        data=str(train_only_data),
+        adapter_path=str(tmp_path / "ref"),
+        iters=3,
+        lora_parameters=lora,
+    )
     mlx_lm_run(types.SimpleNamespace(**copy.deepcopy(a)))
     t = PagedTrainer(str(model), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
-    res = t.lora(train_only_data, lora_parameters=lora, iters=3, adapter_path=str(tmp_path / "paged"),
-                 **{k: v for k, v in COMMON.items() if k != "train"})
+    res = t.lora(
+        train_only_data,
+        lora_parameters=lora,
+        iters=3,
+        adapter_path=str(tmp_path / "paged"),
+        **{k: v for k, v in COMMON.items() if k != "train"},
+    )
     ref, got = mx.load(str(tmp_path / "ref" / "adapters.safetensors")), mx.load(str(res.adapter_file))
     assert_same_adapters(ref, got)
     assert {k.split(".")[-2] for k in got} == {"q_proj", "down_proj"}
-    assert all(v.shape[-1] == 4 or v.shape[0] == 4 for k, v in got.items() if k.endswith("lora_a") or k.endswith("lora_b"))
+    assert all(
+        v.shape[-1] == 4 or v.shape[0] == 4 for k, v in got.items() if k.endswith("lora_a") or k.endswith("lora_b")
+    )
     with pytest.raises(TypeError, match="unknown PagedTrainer options"):
         t.lora(train_only_data, lora_rnak=4)
