@@ -73,10 +73,12 @@ PageId TensorPager::add_page_in_place(
     page_bytes += t.nbytes;
   }
   std::uint64_t max_gap = std::min<std::uint64_t>(kMaxReadThroughGap, page_bytes / kGapFraction);
-  PagePlan plan = plan_in_place(sources, file_sizes, max_gap);
-  if (!plan.ok) {
+  PagePlan plan;
+  try {
+    plan = plan_in_place(sources, file_sizes, max_gap);
+  } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(
-        "[TensorPager] page '" + name + "' cannot be read in place: " + plan.why_not);
+        "[TensorPager] page '" + name + "' cannot be read in place: " + e.what());
   }
   std::vector<Placed> placed;
   PageSpec spec;

@@ -19,9 +19,8 @@ PagePlan plan_in_place(
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorSource& t = tensors[i];
     if (t.file >= file_sizes.size() || t.offset + t.nbytes > file_sizes[t.file]) {
-      plan.ok = false;
-      plan.why_not = "tensor '" + t.name + "' lies past the end of its file";
-      return plan;
+      throw std::invalid_argument(
+          "[plan_in_place] tensor '" + t.name + "' lies past the end of its file");
     }
   }
   // Visit tensors in file order and cut them into runs.

@@ -51,8 +51,6 @@ struct PlacedTensor {
 };
 
 struct PagePlan {
-  bool ok = true;
-  std::string why_not;  // when !ok: which tensor could not be placed, and why
   std::uint64_t frame_bytes = 0;
   std::vector<Extent> extents;
   std::vector<FrameMove> moves;       // to apply, in order, after the reads
@@ -60,8 +58,8 @@ struct PagePlan {
 };
 
 // Plans reading `tensors` in place from their files. `file_sizes[f]` bounds
-// how many bytes of file f exist (reads past them are padding only). Fails
-// (ok = false) only for a tensor that lies outside its file.
+// how many bytes of file f exist (reads past them are padding only). Throws
+// std::invalid_argument, naming the tensor, for one that lies outside its file.
 PagePlan plan_in_place(
     const std::vector<TensorSource>& tensors,
     const std::vector<std::uint64_t>& file_sizes,

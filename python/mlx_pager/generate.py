@@ -51,11 +51,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import step as S
+from . import step
 from .budget import BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
-from .session import default_budget, model_path_of
+from .session import default_budget, model_path_of, plan_slack
 from .store import PagedWeights
 
 KV_STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many tokens
@@ -283,17 +283,16 @@ class PagedModel:
         tic = time.perf_counter()
         # Each block's call arguments (mask, its own KV cache); the logits of
         # this recording pass are never evaluated.
-        h, calls = S.record_calls(model, inputs, per_block_state=True, cache=cache, **kwargs)
+        h, calls = step.record_calls(model, inputs, per_block_state=True, cache=cache, **kwargs)
         for i in range(L):
             args, kw = calls[i]
             with self.weights.bound(i):
-                h = S.run_block(self.blocks[i], h, (args, kw))
+                h = step.run_block(self.blocks[i], h, (args, kw))
                 mx.eval(h, _cache_arrays(args, kw))
             del args, kw
             calls[i] = None
             self.gov.check()
-        with S.stand_ins(model, lambda i, l: S._Emit(l, h) if i == L - 1 else S._Pass(l)):
-            logits = model(inputs, cache=cache, **kwargs)
+        logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
         after = pager.stats()
         self.stats.calls.append(
             CallStats(
@@ -473,7 +472,7 @@ def load_paged(
         trainable=sum(a.nbytes for a in adapters),
         activations=0,
         # MLX's buffer cache keeps one freed page frame for the next read.
-        slack=max(48 << 20, max_page + (16 << 20)),
+        slack=plan_slack(max_page),
         max_page=max_page,
     )
     paged = PagedModel(model, weights, plan, config, act.size, prefill_step_size, max_kv_tokens, page_budget)

@@ -44,6 +44,11 @@ _SLACK_MARGIN = 16 << 20
 _SLACK_FRACTION = 1 / 20
 
 
+def plan_slack(max_page: int) -> int:
+    """The plan's slack for a model whose largest page frame is `max_page`."""
+    return max(_MIN_SLACK, max_page + _SLACK_MARGIN)
+
+
 def default_budget() -> int:
     """80% of physical memory: MLX's own default memory limit."""
     import psutil
@@ -232,7 +237,7 @@ def open_session(
         budget_error = e
     seq_len = longest_batch(args.max_seq_length, datasets)
     max_page = weights.max_page_bytes + IO_ALIGN
-    slack = max(_MIN_SLACK, max_page + _SLACK_MARGIN)
+    slack = plan_slack(max_page)
     if args.page_budget is None:
         slack = max(slack, int(plan_budget * _SLACK_FRACTION))
     # Forward-only evaluation keeps no checkpoints; training keeps one per

@@ -317,12 +317,18 @@ def head_loss(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -
     return loss
 
 
-def _head_ce(model, inputs, targets, mask, h):
-    """Masked per-token cross entropy of the model's head applied to h."""
+def head_call(model: nn.Module, inputs: mx.array, h: mx.array, **kwargs) -> mx.array:
+    """The model's own ``__call__`` on `inputs` with its blocks stood in for,
+    the last returning `h`: the model's head (final norm, LM head, any
+    softcapping) applied to the last hidden state."""
     last = len(model.layers) - 1
     with stand_ins(model, lambda i, l: _Emit(l, h) if i == last else _Pass(l)):
-        logits = model(inputs)
-    return nn.losses.cross_entropy(logits, targets) * mask
+        return model(inputs, **kwargs)
+
+
+def _head_ce(model, inputs, targets, mask, h):
+    """Masked per-token cross entropy of the model's head applied to h."""
+    return nn.losses.cross_entropy(head_call(model, inputs, h), targets) * mask
 
 
 # Only sizes the head's chunks when a model names no vocabulary and has no
