@@ -389,7 +389,7 @@ class Blocks:
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
-        self.tail = Tail(model, compile)  # the no-recompute tail segment (segment.py)
+        self.tail = Tail(model)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
         """fn(*args) compiled; None when the block cannot be compiled (the
