@@ -106,31 +106,36 @@ def chunk_working_set(config: dict, tokens: int, context: int) -> int:
     return tokens * (16 * d + 6 * f) * 4 + 2 * heads * tokens * max(context, tokens) * 4 + 4 * vocab * 4
 
 
-def min_reads_per_sweep(footprints: List[int], page_budget: int, sweeps: int = 6) -> int:
+def min_reads_per_sweep(footprints: List[int], page_budget: int, sweeps: Optional[int] = None) -> int:
     """Bytes Belady's MIN reads per sweep of the blocks in steady state, for
     a cyclic schedule (every prompt chunk and decode step sweeps the blocks
-    in order), each page charged its footprint against the byte budget."""
+    in order), each page charged its footprint against the byte budget.
+
+    On a cyclic order MIN does not keep a fixed hot set: the pages it keeps
+    rotate, and the reads per sweep alternate (n equal pages, room for k:
+    n(n-k)/(n-1) on average, e.g. 8.53 of 16 pages with room for 8, where a
+    fixed set of k-1 hot pages reads 9). So this is the average over
+    `sweeps` sweeps (default 2n + 2), leaving out the first (cold) and the
+    last (MIN knows the sequence ends there)."""
     n = len(footprints)
+    sweeps = sweeps or 2 * n + 2
     seq = list(range(n)) * sweeps
-
-    def read(seq):
-        nxt, last = [0] * len(seq), {}
-        for t in range(len(seq) - 1, -1, -1):
-            nxt[t] = last.get(seq[t], 10**9 + t)
-            last[seq[t]] = t
-        cache, used, total = {}, 0, 0
-        for t, pg in enumerate(seq):
-            if pg not in cache:
-                total += footprints[pg]
-                while cache and used + footprints[pg] > page_budget:
-                    victim = max(cache, key=cache.get)
-                    used -= footprints[victim]
-                    del cache[victim]
-                used += footprints[pg]
-            cache[pg] = nxt[t]
-        return total
-
-    return read(seq) - read(seq[: n * (sweeps - 1)])
+    nxt, last = [0] * len(seq), {}
+    for t in range(len(seq) - 1, -1, -1):
+        nxt[t] = last.get(seq[t], 10**9 + t)
+        last[seq[t]] = t
+    cache, used, per_sweep = {}, 0, [0] * sweeps
+    for t, pg in enumerate(seq):
+        if pg not in cache:
+            per_sweep[t // n] += footprints[pg]
+            while cache and used + footprints[pg] > page_budget:
+                victim = max(cache, key=cache.get)
+                used -= footprints[victim]
+                del cache[victim]
+            used += footprints[pg]
+        cache[pg] = nxt[t]
+    steady = per_sweep[1:-1]
+    return round(sum(steady) / len(steady))
 
 
 # ------------------------------------------------------------- the model --
