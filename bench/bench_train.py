@@ -7,6 +7,8 @@ length, each configuration in its own process (so peak RSS is its own):
 
   mlx-lm           mlx_lm.lora's trainer, fully resident
   mlx-lm+ckpt      the same with --grad-checkpoint
+  pager @mlx-lm    mlx-pager with a memory budget of resident mlx-lm's own
+                   peak RSS (+5%): where no block needs recomputing
   pager 100..10%   mlx-pager with a page budget of 100/50/25/10% of the paged
                    weights (plus the fixed part: process, resident page,
                    adapters, activations); conservative readahead (MIN reads)
@@ -150,6 +152,7 @@ def worker_pager(cfg):
         DEFAULTS,
         **common_args(cfg),
         page_budget=cfg["page_budget"],
+        memory_budget=cfg.get("memory_budget"),
         readahead=cfg["readahead"],
         policy=cfg["policy"],
         report=str(report),
@@ -299,6 +302,16 @@ def bench_one(name, shape, a, out_dir):
 
     go("mlx-lm", kind="mlx-lm", grad_checkpoint=False)
     go("mlx-lm+ckpt", kind="mlx-lm", grad_checkpoint=True)
+    # The budget resident mlx-lm itself needed (its peak RSS, +5%): where the
+    # no-recompute tail segment can hold every trained block.
+    go(
+        "pager @mlx-lm",
+        kind="pager",
+        page_budget=None,
+        memory_budget=str(int(1.05 * results["mlx-lm"]["peak_rss"])),
+        readahead=4,
+        policy="optimal",
+    )
     paged = W  # page budgets are fractions of the paged weights
     footprint = None
     for f in FRACTIONS:
