@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from benchlib import dd_rate, run_worker
 
 PROMPT = (
     "The pager keeps the frozen weights on the SSD and reads each block when the "
@@ -87,33 +86,6 @@ def worker(cfg: dict) -> dict:
     return s
 
 
-def run_worker(cfg: dict) -> dict:
-    env = dict(os.environ)
-    from mlx_pager.blas import openblas_path
-
-    lib = openblas_path()
-    if lib and lib not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = lib
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"worker {cfg} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-
-
-def dd_rate(files) -> float:
-    total, t = 0, time.perf_counter()
-    for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
-        total += f.stat().st_size
-    return total / (time.perf_counter() - t)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_out")
@@ -157,7 +129,7 @@ def main():
         f"{a.tokens} tokens after a {len(PROMPT.split())}-word prompt"
     )
 
-    reads = [run_worker(dict(base, kind="read", page_budget=max(pages)))["read_rate"]]
+    reads = [run_worker(__file__, dict(base, kind="read", page_budget=max(pages)))["read_rate"]]
     dd = [dd_rate(files)]
     configs = [("mlx-lm", dict(kind="mlx-lm"))]
     for frac in (1.0, 0.5, 0.25):
@@ -173,9 +145,9 @@ def main():
     results = {}
     for name, cfg in configs:
         t = time.perf_counter()
-        results[name] = run_worker(dict(base, **cfg))
+        results[name] = run_worker(__file__, dict(base, **cfg))
         print(f"  ran {name} ({time.perf_counter() - t:.0f}s)", flush=True)
-    reads.append(run_worker(dict(base, kind="read", page_budget=max(pages)))["read_rate"])
+    reads.append(run_worker(__file__, dict(base, kind="read", page_budget=max(pages)))["read_rate"])
     dd.append(dd_rate(files))
     R = max(reads)
     compute = results["mlx-lm"]["decode_s_per_token"]

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from benchlib import dd_rate
 
 from mlx_pager import Pager, SwapWriter, read_safetensors_index
 from mlx_pager._core import IO_ALIGN, swap_page_bytes
@@ -146,14 +146,6 @@ def run_pager(p, ids, steps):
     return (s["bytes_read"] - before["bytes_read"]) / dt, s["pages_read"] - before["pages_read"], seq
 
 
-def run_dd(files):
-    total, t = 0, time.perf_counter()
-    for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
-        total += f.stat().st_size
-    return total / (time.perf_counter() - t)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/var/tmp/mlx-pager-bench")
@@ -178,7 +170,7 @@ def main():
     bw = {"dd": [], "in_place": [], "swap": []}
     reads = {}
     for _r in range(a.rounds):
-        bw["dd"].append(run_dd(files))
+        bw["dd"].append(dd_rate(files))
         for kind, (p, ids) in pagers.items():
             rate, pages_read, seq = run_pager(p, ids, a.steps)
             bw[kind].append(rate)

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 import types
 from pathlib import Path
+
+from benchlib import dd_rate, run_worker
 
 HERE = Path(__file__).resolve().parent
 
@@ -188,33 +187,6 @@ def worker_pager(cfg):
 
 
 # ------------------------------------------------------------- orchestrator --
-def run_worker(cfg: dict) -> dict:
-    env = dict(os.environ)
-    from mlx_pager.blas import openblas_path
-
-    lib = openblas_path()
-    if lib and lib not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = lib
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"worker {cfg['name']} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-
-
-def dd_bandwidth(files) -> float:
-    total, t = 0, time.perf_counter()
-    for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
-        total += f.stat().st_size
-    return total / (time.perf_counter() - t)
-
-
 def belady_per_step(num_blocks, first, footprints, budget, steps=8):
     """Pages MIN reads per step in steady state, pages charged their own
     footprints against a byte budget (evict furthest next use until the
@@ -291,13 +263,13 @@ def bench_one(name, shape, a, out_dir):
         f"{shape['batch_size']} x {shape['seq_len']} tokens, LoRA on the last {shape['num_layers']} blocks",
         flush=True,
     )
-    R = [dd_bandwidth(files)]
+    R = [dd_rate(files)]
     results = {}
 
     def go(cfg_name, **kw):
         cfg = dict(base, name=cfg_name, adapter_path=str(out_dir / f"ad-{name}-{cfg_name.replace(' ', '_')}"), **kw)
         t = time.perf_counter()
-        results[cfg_name] = run_worker(cfg)
+        results[cfg_name] = run_worker(__file__, cfg)
         print(f"   {cfg_name:<12} ran in {time.perf_counter() - t:5.1f}s", flush=True)
 
     go("mlx-lm", kind="mlx-lm", grad_checkpoint=False)
@@ -320,7 +292,7 @@ def bench_one(name, shape, a, out_dir):
         budget = int(1.1 * paged) if f == 1 else max(int(f * paged), footprint)
         go(f"pager {int(f * 100)}%", kind="pager", page_budget=budget, readahead=4, policy="optimal")
         footprint = results[f"pager {int(f * 100)}%"]["page_footprint"]
-    R.append(dd_bandwidth(files))
+    R.append(dd_rate(files))
     for f in FRACTIONS[1:]:
         budget = max(int(f * paged), footprint)
         go(
@@ -332,7 +304,7 @@ def bench_one(name, shape, a, out_dir):
             readahead_mode="aggressive",
         )
     go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru")
-    R.append(dd_bandwidth(files))
+    R.append(dd_rate(files))
     R_med = statistics.median(R)
 
     compute = median_after_first([s["step_s"] for s in results["mlx-lm"]["steps"]])
