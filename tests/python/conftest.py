@@ -35,3 +35,22 @@ def train_only_data(tmp_path):
 def write_jsonl(path: Path, records):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.fixture(scope="session")
+def big_model(tmp_path_factory):
+    """A 1.83 GB float32 Llama, 30 blocks of ~62 MB (4 bytes a weight keeps
+    compute per GB low), for the hard-memory-cap tests: made once a session."""
+    spec = modelgen.ModelSpec(
+        arch="llama",
+        hidden_size=1024,
+        num_hidden_layers=30,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        dtype="float32",
+        bits=None,
+        seed=1,
+    )
+    return modelgen.generate_model(tmp_path_factory.mktemp("big") / "model", spec)

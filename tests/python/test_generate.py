@@ -190,20 +190,8 @@ CAP = 450 * 10**6
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"hard memory cap unavailable: {unavailable_reason()}")
-def test_generates_under_cap_where_mlx_lm_is_killed(tmp_path_factory, tmp_path):
-    spec = modelgen.ModelSpec(
-        arch="llama",
-        hidden_size=1024,
-        num_hidden_layers=30,
-        intermediate_size=4096,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        dtype="float32",
-        bits=None,
-        seed=1,
-    )
-    big = modelgen.generate_model(tmp_path_factory.mktemp("big") / "model", spec)
+def test_generates_under_cap_where_mlx_lm_is_killed(big_model, tmp_path):
+    big = big_model
     assert modelgen.weight_bytes(big) >= 4 * CAP
     common = ["--model", str(big), "--prompt", PROMPT, "--max-tokens", "6", "--seed", "0"]
     proc, peak = run_capped(
