@@ -23,6 +23,51 @@ from pathlib import Path
 from .budget import BudgetError, format_size
 
 
+def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: str):
+    """mlx-pager's own flags, added to an mlx-lm parser as the group
+    "mlx-pager". `fill_later`: defaults stay None (the trainer's DEFAULTS and a
+    -c config file fill them); otherwise they are the defaults themselves."""
+
+    def default(value):
+        return None if fill_later else value
+
+    g = parser.add_argument_group("mlx-pager")
+    g.add_argument(
+        "--memory-budget",
+        type=str,
+        default=None,
+        help="Memory the whole process may use, e.g. 12GB or 900MiB (default: 80%% of RAM).",
+    )
+    g.add_argument(
+        "--ssd-cache-dir",
+        type=str,
+        default=default(str(Path.home() / ".cache" / "mlx-pager")),
+        help="Where the pager writes swap files when a model's weights cannot be read in place.",
+    )
+    g.add_argument(
+        "--store",
+        choices=["auto", "in_place", "swap"],
+        default=default("auto"),
+        help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).",
+    )
+    g.add_argument(
+        "--policy",
+        choices=["optimal", "lru"],
+        default=default("optimal"),
+        help="Eviction policy (default: optimal, Belady's MIN on the known access order).",
+    )
+    g.add_argument("--readahead", type=int, default=None, help=readahead)
+    g.add_argument(
+        "--readahead-mode",
+        choices=["conservative", "aggressive"],
+        default=default("conservative"),
+        help="conservative: never more reads than Belady's minimum; aggressive: may read "
+        "more to overlap reads with compute when the budget is small.",
+    )
+    g.add_argument("--io-threads", type=int, default=default(4), help="I/O threads (default 4).")
+    return g
+
+
 def _lora_parser() -> argparse.ArgumentParser:
     from mlx_lm.lora import build_parser
 
@@ -37,40 +82,7 @@ def _lora_parser() -> argparse.ArgumentParser:
             )
         elif action.dest == "grad_checkpoint":
             action.help = "Accepted for compatibility: mlx-pager always checkpoints blocks."
-    g = parser.add_argument_group("mlx-pager")
-    g.add_argument(
-        "--memory-budget",
-        type=str,
-        default=None,
-        help="Memory the whole process may use, e.g. 12GB or 900MiB (default: 80%% of RAM).",
-    )
-    g.add_argument(
-        "--ssd-cache-dir",
-        type=str,
-        default=None,
-        help="Where the pager writes swap files when a model's weights cannot be read in place.",
-    )
-    g.add_argument(
-        "--store",
-        choices=["auto", "in_place", "swap"],
-        default=None,
-        help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).",
-    )
-    g.add_argument(
-        "--policy",
-        choices=["optimal", "lru"],
-        default=None,
-        help="Eviction policy (default: optimal, which knows the step's access order).",
-    )
-    g.add_argument("--readahead", type=int, default=None, help="Blocks to read ahead (default 2; 0 = off).")
-    g.add_argument(
-        "--readahead-mode",
-        choices=["conservative", "aggressive"],
-        default=None,
-        help="conservative: never more reads than Belady's minimum; aggressive: may read "
-        "more to overlap reads with compute when the budget is small.",
-    )
-    g.add_argument("--io-threads", type=int, default=None, help="I/O threads (default 4).")
+    g = _paging_flags(parser, fill_later=True, readahead="Blocks to read ahead (default 2; 0 = off).")
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
     g.add_argument(
         "--resume",
@@ -280,45 +292,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     parser = setup_arg_parser()  # mlx_lm.generate's own flags, help and defaults
     parser.prog = "mlx-pager generate"
     parser.description = "Generate text with the frozen weights paged from the SSD under a memory budget."
-    g = parser.add_argument_group("mlx-pager")
-    g.add_argument(
-        "--memory-budget",
-        type=str,
-        default=None,
-        help="Memory the whole process may use, e.g. 8GB or 900MiB (default: 80%% of RAM).",
+    _paging_flags(
+        parser, fill_later=False, readahead="Blocks the pager looks ahead to read (default: all blocks; 0 = off)."
     )
-    g.add_argument(
-        "--ssd-cache-dir",
-        type=str,
-        default=str(Path.home() / ".cache" / "mlx-pager"),
-        help="Where the pager writes swap files when a model's weights cannot be read in place.",
-    )
-    g.add_argument(
-        "--store",
-        choices=["auto", "in_place", "swap"],
-        default="auto",
-        help="Read pages from the model's files (in_place), a swap file, or decide per page (auto).",
-    )
-    g.add_argument(
-        "--policy",
-        choices=["optimal", "lru"],
-        default="optimal",
-        help="Eviction policy (default: optimal, MIN on the cyclic order of the blocks).",
-    )
-    g.add_argument(
-        "--readahead",
-        type=int,
-        default=None,
-        help="Blocks the pager looks ahead to read (default: all blocks; 0 = off).",
-    )
-    g.add_argument(
-        "--readahead-mode",
-        choices=["conservative", "aggressive"],
-        default="conservative",
-        help="conservative: never more reads than Belady's minimum; aggressive: may read "
-        "more to overlap reads with compute.",
-    )
-    g.add_argument("--io-threads", type=int, default=4, help="I/O threads (default 4).")
     return parser
 
 
