@@ -194,8 +194,8 @@ def train(
     pager = weights.pager
     names = [n for n, _ in tree_flatten(model.trainable_parameters())]
 
-    def is_val_point(j: int) -> bool:
-        return val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == args.iters)
+    def is_val_point(j: int, iters: int = args.iters) -> bool:
+        return val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == iters)
 
     it = 0
     if resumed is not None:
@@ -204,7 +204,8 @@ def train(
         it = min(resumed["iteration"], args.iters)
         for j in range(1, it + 1):
             next(batches)
-            if is_val_point(j):
+            # as the run that saved the state drew them (its --iters may be smaller)
+            if is_val_point(j, resumed.get("iters", args.iters)):
                 next(
                     iterate_batches(
                         dataset=val_set,

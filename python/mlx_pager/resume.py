@@ -66,6 +66,7 @@ def save(adapter_path: Path, model, optimizer, iteration: int, args, reports: di
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
     meta = {
         "iteration": iteration,
+        "iters": args.iters,  # the validation at the last iteration draws from NumPy too
         "key": _digest(trajectory_key(args)),
         "options": trajectory_key(args),
         "reports": reports,
