@@ -58,11 +58,24 @@ Frame Pager::acquire(PageId id) {
         counted = true;
         ++(e.prefetched ? stat_.readahead_hits : stat_.faults);
       }
+      bool late_prefetch = e.prefetched;
       e.prefetched = false;
       std::uint64_t gen = e.read_gen;
       auto t0 = std::chrono::steady_clock::now();
       cv_.wait(lock, [&] { return e.state != PageState::in_flight; });
-      stat_.io_wait_ns += elapsed_ns(t0);
+      auto t1 = std::chrono::steady_clock::now();
+      stat_.io_wait_ns += static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+      if (trace_.enabled()) {
+        TraceEvent te;
+        te.kind = TraceKind::wait;
+        te.readahead = late_prefetch;
+        te.page = id;
+        te.read = gen;
+        te.start_ns = TraceRecorder::ns(t0);
+        te.end_ns = TraceRecorder::ns(t1);
+        trace_.record(te);
+      }
       if (e.state == PageState::on_disk && e.failed_gen == gen) {
         if (e.corrupt && !rebuilt && rebuild_hook_) {
           // Rebuild the page's bytes on this thread, unlocked (the hook may
@@ -193,8 +206,13 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   // The completion may run before submit() returns; it takes the lock, so
   // the submit happens with the lock released.
   lock.unlock();
+  std::int64_t submitted = TraceRecorder::now_ns();
   io_.submit(
-      std::move(ops), [this, id, gen](IoBatch& b) { complete_read(id, gen, b); }, urgent);
+      std::move(ops),
+      [this, id, gen, submitted, urgent](IoBatch& b) {
+        complete_read(id, gen, b, submitted, urgent);
+      },
+      urgent, TraceTag{id, gen});
   lock.lock();
 }
 
@@ -214,13 +232,15 @@ void Pager::abandon_read_locked(Lock& lock, PageId id) {
   lock.lock();
 }
 
-void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
+void Pager::complete_read(
+    PageId id, std::uint64_t gen, IoBatch& batch, std::int64_t submitted_ns, bool urgent) {
   Lock lock(mu_);
   PageEntry& e = table_.at(id);
   if (e.read_gen != gen || e.state != PageState::in_flight) {
     return;
   }
-  std::string corrupt;  // why the bytes read are wrong, if they are
+  std::string corrupt;        // why the bytes read are wrong, if they are
+  std::uint64_t counted = 0;  // bytes this read adds to stat_.bytes_read
   if (!batch.error() && (!e.spec.moves.empty() || e.spec.checked)) {
     // Align tensors the reads left misaligned (layout.h), then verify. The
     // frame is ours alone while in flight and specs never change, so this
@@ -236,17 +256,30 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
       }
     }
     lock.unlock();
+    std::int64_t t0 = trace_.enabled() ? TraceRecorder::now_ns() : 0;
     for (const FrameMove& m : spec.moves) {
       std::memmove(data + m.to, data + m.from, m.length);
     }
     std::uint64_t mismatches = 0, reread_bytes = 0;
     if (spec.checked) {
-      corrupt = verify_unlocked(spec, data, again, mismatches, reread_bytes);
+      corrupt = verify_unlocked(spec, TraceTag{id, gen}, data, again, mismatches, reread_bytes);
+    }
+    if (t0 != 0 && trace_.enabled()) {
+      TraceEvent te;
+      te.kind = TraceKind::verify;
+      te.failed = !corrupt.empty();
+      te.thread = PageIO::current_thread();
+      te.page = id;
+      te.read = gen;
+      te.start_ns = t0;
+      te.end_ns = TraceRecorder::now_ns();
+      trace_.record(te);
     }
     lock.lock();
     stat_.checksum_errors += mismatches;
     stat_.rereads += mismatches > 0;
     stat_.bytes_read += reread_bytes;
+    counted += reread_bytes;
   }
   if (batch.error() || !corrupt.empty()) {
     std::string what = corrupt;
@@ -288,6 +321,23 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
     e.last_access = ++access_clock_;
     ++stat_.pages_read;
     stat_.bytes_read += batch.bytes_read();
+    counted += batch.bytes_read();
+  }
+  if (trace_.enabled()) {
+    // Under mu_ with the counter it reports: `total` places this read
+    // exactly between any two snapshots of the stats.
+    TraceEvent te;
+    te.kind = TraceKind::read;
+    te.readahead = !urgent;
+    te.failed = e.state != PageState::resident;
+    te.thread = PageIO::current_thread();
+    te.page = id;
+    te.read = gen;
+    te.bytes = counted;
+    te.total = stat_.bytes_read;
+    te.start_ns = submitted_ns;
+    te.end_ns = TraceRecorder::now_ns();
+    trace_.record(te);
   }
   check_accounting_locked(lock);
   cv_.notify_all();
@@ -296,6 +346,7 @@ void Pager::complete_read(PageId id, std::uint64_t gen, IoBatch& batch) {
 
 std::string Pager::verify_unlocked(
     const PageSpec& spec,
+    TraceTag tag,
     char* data,
     const std::vector<ReadOp>& again,
     std::uint64_t& mismatches,
@@ -306,14 +357,27 @@ std::string Pager::verify_unlocked(
   ++mismatches;
   // Read the page once more: a bad transfer (or a page rewritten meanwhile)
   // reads right the second time; bytes wrong on the disk do not.
+  TraceEvent te;
+  te.kind = TraceKind::reread;
+  te.thread = PageIO::current_thread();
+  te.page = tag.page;
+  te.read = tag.read;
+  te.start_ns = TraceRecorder::now_ns();
   try {
     for (const ReadOp& op : again) {
       reread_bytes += io_.read_retrying(op);
     }
   } catch (const std::exception& ex) {
+    te.failed = true;
+    te.bytes = reread_bytes;
+    te.end_ns = TraceRecorder::now_ns();
+    trace_.record(te);
     return std::string("its bytes did not match their checksum and reading them again failed: ") +
         ex.what();
   }
+  te.bytes = reread_bytes;
+  te.end_ns = TraceRecorder::now_ns();
+  trace_.record(te);
   for (const FrameMove& m : spec.moves) {
     std::memmove(data + m.to, data + m.from, m.length);
   }

@@ -9,6 +9,14 @@
 
 namespace mlx_pager {
 
+namespace {
+thread_local int t_io_thread = -1;  // this thread's index in its PageIO
+}  // namespace
+
+int PageIO::current_thread() {
+  return t_io_thread;
+}
+
 void IoBatch::wait() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return done_; });
@@ -24,14 +32,14 @@ std::exception_ptr IoBatch::error() const {
   return error_;
 }
 
-PageIO::PageIO(int threads, std::size_t chunk_bytes)
-    : chunk_bytes_(align_up(std::max<std::size_t>(chunk_bytes, 1), kIoAlign)) {
+PageIO::PageIO(int threads, std::size_t chunk_bytes, TraceRecorder* trace)
+    : chunk_bytes_(align_up(std::max<std::size_t>(chunk_bytes, 1), kIoAlign)), trace_(trace) {
   if (threads < 1) {
     throw std::invalid_argument("[PageIO] needs at least one I/O thread");
   }
   workers_.reserve(threads);
   for (int i = 0; i < threads; ++i) {
-    workers_.emplace_back([this] { worker(); });
+    workers_.emplace_back([this, i] { worker(i); });
   }
 }
 
@@ -53,9 +61,10 @@ void PageIO::set_fault_injector(FaultInjector f) {
 }
 
 std::shared_ptr<IoBatch> PageIO::submit(
-    std::vector<ReadOp> ops, std::function<void(IoBatch&)> on_complete, bool urgent) {
+    std::vector<ReadOp> ops, std::function<void(IoBatch&)> on_complete, bool urgent, TraceTag tag) {
   auto batch = std::make_shared<IoBatch>();
   batch->on_complete_ = std::move(on_complete);
+  batch->tag_ = tag;
   std::vector<Chunk> chunks;
   for (const ReadOp& op : ops) {
     for (std::size_t off = 0; off < op.length; off += chunk_bytes_) {
@@ -100,7 +109,8 @@ std::uint64_t PageIO::read_now(const ReadOp& op) {
   return got;
 }
 
-void PageIO::worker() {
+void PageIO::worker(int index) {
+  t_io_thread = index;
   for (;;) {
     Chunk c;
     FaultInjector injector;
@@ -136,13 +146,31 @@ void PageIO::run_chunk(Chunk& c, const FaultInjector& injector) {
       return;
     }
   }
+  bool traced = trace_ != nullptr && trace_->enabled();
+  std::int64_t t0 = traced ? TraceRecorder::now_ns() : 0;
+  std::uint64_t n = 0;
+  bool failed = false;
   try {
-    c.batch->bytes_ += read_attempts(c.op, injector);
+    n = read_attempts(c.op, injector);
+    c.batch->bytes_ += n;
   } catch (...) {
+    failed = true;
     std::lock_guard<std::mutex> lock(c.batch->mu_);
     if (!c.batch->error_) {
       c.batch->error_ = std::current_exception();
     }
+  }
+  if (traced) {
+    TraceEvent e;
+    e.kind = TraceKind::chunk;
+    e.failed = failed;
+    e.thread = t_io_thread;
+    e.page = c.batch->tag_.page;
+    e.read = c.batch->tag_.read;
+    e.bytes = n;
+    e.start_ns = t0;
+    e.end_ns = TraceRecorder::now_ns();
+    trace_->record(e);
   }
 }
 

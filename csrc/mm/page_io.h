@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "mm/direct_io.h"
+#include "mm/trace.h"
 
 namespace mlx_pager {
 
@@ -75,6 +76,7 @@ class IoBatch {
  private:
   friend class PageIO;
   std::function<void(IoBatch&)> on_complete_;
+  TraceTag tag_;
   std::atomic<std::size_t> pending_{0};
   std::atomic<std::uint64_t> bytes_{0};
   mutable std::mutex mu_;
@@ -86,8 +88,9 @@ class IoBatch {
 class PageIO {
  public:
   // `threads` I/O threads; reads are split into `chunk_bytes` pieces
-  // (rounded up to kIoAlign).
-  PageIO(int threads, std::size_t chunk_bytes);
+  // (rounded up to kIoAlign). `trace` (may be null; must outlive this)
+  // records every chunk read while it is enabled (trace.h).
+  PageIO(int threads, std::size_t chunk_bytes, TraceRecorder* trace = nullptr);
   // Waits for every submitted batch to finish, then joins the threads.
   ~PageIO();
   PageIO(const PageIO&) = delete;
@@ -95,9 +98,13 @@ class PageIO {
 
   // Queues `ops`; `on_complete` (may be empty) runs once when all are done,
   // with the batch's error (if any) already recorded. `urgent` batches go
-  // ahead of non-urgent ones. Never blocks on I/O.
+  // ahead of non-urgent ones. `tag` names the read in the trace. Never
+  // blocks on I/O.
   std::shared_ptr<IoBatch> submit(
-      std::vector<ReadOp> ops, std::function<void(IoBatch&)> on_complete = {}, bool urgent = true);
+      std::vector<ReadOp> ops,
+      std::function<void(IoBatch&)> on_complete = {},
+      bool urgent = true,
+      TraceTag tag = {});
 
   // Reads synchronously on the calling thread (no queueing); throws on error.
   static std::uint64_t read_now(const ReadOp& op);
@@ -106,6 +113,9 @@ class PageIO {
   std::uint64_t read_retrying(const ReadOp& op);
 
   void set_fault_injector(FaultInjector f);
+  // The index (0..threads-1) of the I/O thread calling this, or -1 on a
+  // thread that is not one of a PageIO's.
+  static int current_thread();
   // Chunk reads tried again after an error, since construction.
   std::uint64_t retries() const { return retries_.load(); }
 
@@ -114,12 +124,13 @@ class PageIO {
     std::shared_ptr<IoBatch> batch;
     ReadOp op;  // the piece of the original op this chunk covers
   };
-  void worker();
+  void worker(int index);
   void run_chunk(Chunk& c, const FaultInjector& injector);
   std::uint64_t read_attempts(const ReadOp& op, const FaultInjector& injector);
   void finish_chunk(const std::shared_ptr<IoBatch>& batch);
 
   std::size_t chunk_bytes_;
+  TraceRecorder* trace_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -60,7 +60,7 @@ Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
       policy_(config.policy),
       readahead_pages_(std::max(0, config.readahead_pages)),
       readahead_aggressive_(config.readahead_aggressive),
-      io_(config.io_threads, config.io_chunk_bytes) {
+      io_(config.io_threads, config.io_chunk_bytes, &trace_) {
   if (!allocator_) {
     throw std::invalid_argument("[Pager] needs a frame allocator");
   }

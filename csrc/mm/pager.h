@@ -35,9 +35,11 @@
 //  - mu_ guards every non-const member below it: the page table's entries,
 //    the schedule and cursor, budget_, the policy and readahead settings,
 //    the access clock, held_bytes_, graveyard_ and stat_. config_,
-//    allocator_ and io_ are set once; accounting_->charged is atomic.
+//    allocator_ and io_ are set once; accounting_->charged is atomic;
+//    trace_ has its own lock.
 //  - Lock order: mu_ -> Accounting::mu -> IoBatch::mu_. Accounting::mu and
-//    IoBatch::mu_ are leaves (nothing is locked under them). mu_ is NEVER held
+//    IoBatch::mu_ are leaves (nothing is locked under them), and so is the
+//    trace recorder's lock (trace.h), taken under any of them. mu_ is NEVER held
 //    while calling into the FrameAllocator (allocate may run MLX code),
 //    while dropping a frame's last reference (its on_free takes
 //    Accounting::mu and MLX's allocator lock), or while submitting I/O (a
@@ -75,6 +77,7 @@
 #include "mm/page_table.h"
 #include "mm/reclaim.h"
 #include "mm/schedule.h"
+#include "mm/trace.h"
 #include "mm/vmstat.h"
 
 namespace mlx_pager {
@@ -152,6 +155,13 @@ class Pager {
   using RebuildHook = std::function<bool(PageId)>;
   void set_rebuild_hook(RebuildHook hook);
 
+  // ---- tracing (trace.h) ----
+  // Starts (true) or stops recording reads, waits and evictions.
+  void set_tracing(bool on) { trace_.enable(on); }
+  // The events recorded since the last call, in the order recorded.
+  std::vector<TraceEvent> take_trace() { return trace_.take(); }
+  std::uint64_t trace_dropped() const { return trace_.dropped(); }
+
  private:
   // Shared with frames' on_free callbacks, which may outlive the pager.
   struct Accounting {
@@ -178,13 +188,17 @@ class Pager {
   // frees its frame (with the lock released).
   void abandon_read_locked(Lock& lock, PageId id);
   // The I/O completion of a read (takes mu_ itself).
-  void complete_read(PageId id, std::uint64_t gen, IoBatch& batch);
+  // `submitted_ns`: when the read was submitted (trace clock), `urgent`: a
+  // fault's read (else readahead's); both for the trace.
+  void complete_read(
+      PageId id, std::uint64_t gen, IoBatch& batch, std::int64_t submitted_ns, bool urgent);
   // Verifies a page's frame after its read (mu_ not held; the frame is the
   // read's alone). On a mismatch reads the page again once (`again`: its
   // reads, resolved under mu_). Returns "" when the bytes match, else why
   // not; counts into the last two arguments.
   std::string verify_unlocked(
       const PageSpec& spec,
+      TraceTag tag,
       char* data,
       const std::vector<ReadOp>& again,
       std::uint64_t& mismatches,
@@ -232,6 +246,8 @@ class Pager {
   static constexpr std::chrono::milliseconds kZombieTimeout{2000};
   VmStat stat_;
   std::shared_ptr<const RebuildHook> rebuild_hook_;
+  // Its own lock (a leaf); outlives io_, whose threads record into it.
+  TraceRecorder trace_;
 
   // Last member: destroyed first, so no I/O completion runs on a dead pager.
   PageIO io_;

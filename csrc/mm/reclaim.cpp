@@ -85,11 +85,20 @@ void Pager::evict_locked(const Lock& lock, PageId id) {
   MLX_PAGER_ASSERT(e.state == PageState::resident && e.refs == 0 && !e.pinned);
   graveyard_.push_back(std::move(e.frame.owner));
   e.frame = Frame{};
+  std::uint64_t charged = e.charged;
   held_bytes_ -= e.charged;
   e.charged = 0;
   e.state = PageState::on_disk;
   e.prefetched = false;
   ++stat_.evictions;
+  if (trace_.enabled()) {
+    TraceEvent te;
+    te.kind = TraceKind::evict;
+    te.page = id;
+    te.bytes = charged;
+    te.start_ns = te.end_ns = TraceRecorder::now_ns();
+    trace_.record(te);
+  }
 }
 
 void Pager::evict_all() {
@@ -128,9 +137,18 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
         " bytes");
   }
   auto zombie_deadline = std::chrono::steady_clock::time_point::max();
+  std::int64_t waited_from = -1;  // the first wait, for the trace
   for (;;) {
     std::uint64_t charged = charged_now();
     if (charged + need <= budget_) {
+      if (waited_from >= 0 && trace_.enabled()) {
+        TraceEvent te;
+        te.kind = TraceKind::reclaim;
+        te.page = for_page;
+        te.start_ns = waited_from;
+        te.end_ns = TraceRecorder::now_ns();
+        trace_.record(te);
+      }
       return;
     }
     auto cands = evictable_locked(lock);
@@ -146,6 +164,9 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
       }
     }
     auto t0 = std::chrono::steady_clock::now();
+    if (waited_from < 0) {
+      waited_from = TraceRecorder::ns(t0);
+    }
     if (any_in_flight) {
       // Reads in flight become evictable pages when they land.
       cv_.wait_for(lock, kInFlightPoll);
