@@ -11,7 +11,10 @@ own with no-op defaults:
   on_train_loss_report(info)   mlx-lm's: iteration, train_loss, ... (+ pager: ...)
   on_val_loss_report(info)     mlx-lm's: iteration, val_loss, val_time
   on_step(record)              after each optimizer step: the --report step record
+  on_step_begin(iteration, stats)  before an optimizer step's first block;
+                               stats: the pager's counters its record counts from
   on_block(weights, phase, i)  after each block of a sweep (memory traces)
+  on_update_begin() / on_update_end()  around the optimizer update
   on_save(path, iteration)     a checkpoint or the final adapters were written
   on_message(text)             a line for the user
   close()                      the run is over (always called)
@@ -40,7 +43,16 @@ class PagerCallback(TrainingCallback):
     def on_step(self, record: dict):
         pass
 
+    def on_step_begin(self, iteration: int, stats: dict):
+        pass
+
     def on_block(self, weights, phase: str, block: int):
+        pass
+
+    def on_update_begin(self):
+        pass
+
+    def on_update_end(self):
         pass
 
     def on_save(self, path, iteration: Optional[int]):
@@ -93,8 +105,17 @@ class Callbacks(PagerCallback):
     def on_step(self, record):
         self._each("on_step", record)
 
+    def on_step_begin(self, iteration, stats):
+        self._each("on_step_begin", iteration, stats)
+
     def on_block(self, weights, phase, block):
         self._each("on_block", weights, phase, block)
+
+    def on_update_begin(self):
+        self._each("on_update_begin")
+
+    def on_update_end(self):
+        self._each("on_update_end")
 
     def on_save(self, path, iteration):
         self._each("on_save", path, iteration)

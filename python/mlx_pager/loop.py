@@ -257,6 +257,7 @@ def train(
                     validate(j)
 
             before = pager.stats()
+            cb.on_step_begin(it, before)
             mx.reset_peak_memory()
             tic = time.perf_counter()
             mbs = [step.MicroBatch.from_batch(*b) for b in group]
@@ -285,6 +286,7 @@ def train(
             for j in early:
                 save_adapters(model, adapter_file, j, cb)
             if update:
+                cb.on_update_begin()
                 # Once per optimizer step, as mlx-lm: averaged over the ranks
                 # (a no-op for one), then over the micro-batches.
                 tree = average_gradients(tree_unflatten([(n, grads[n]) for n in names]))
@@ -292,6 +294,7 @@ def train(
                     tree = tree_map(lambda g, k=k: g / k, tree)
                 optimizer.update(model, tree)
                 mx.eval(model.trainable_parameters(), optimizer.state)
+                cb.on_update_end()
             _clear_cache(args.clear_cache_threshold)
             elapsed = time.perf_counter() - tic
             after = pager.stats()
