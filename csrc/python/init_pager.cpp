@@ -80,6 +80,9 @@ void init_pager(nb::module_& m) {
   // OSError (the message names page and file), a budget that cannot hold a
   // page a MemoryError.
   nb::exception<PageReadError>(m, "PageReadError", PyExc_OSError);
+  m.def(
+      "trace_now_ns", [] { return TraceRecorder::now_ns(); },
+      "Now on the pager's trace clock (steady clock, nanoseconds).");
   nb::exception<BudgetError>(m, "PagerBudgetError", PyExc_MemoryError);
   nb::class_<TensorPager>(
       m, "Pager",
@@ -196,6 +199,28 @@ void init_pager(nb::module_& m) {
           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; },
           "page"_a, "Bytes of the page's frame in memory.")
       .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); })
+      .def(
+          "enable_trace", [](TensorPager& tp, bool on) { tp.pager().set_tracing(on); },
+          "on"_a = true, "Starts (True) or stops recording the pager's events (csrc/mm/trace.h).")
+      .def(
+          "take_trace",
+          [](TensorPager& tp) {
+            std::vector<TraceEvent> events = tp.pager().take_trace();
+            nb::list out;
+            for (const TraceEvent& e : events) {
+              out.append(nb::make_tuple(
+                  to_string(e.kind), e.thread, e.page, e.read, e.bytes, e.total, e.start_ns,
+                  e.end_ns, e.readahead, e.failed));
+            }
+            return out;
+          },
+          "The events recorded since the last call, oldest first, as tuples\n"
+          "(kind, thread, page, read, bytes, total, start_ns, end_ns, readahead, failed):\n"
+          "kind 'chunk', 'verify', 'reread', 'read', 'wait', 'reclaim' or 'evict'; thread the\n"
+          "I/O thread's index or -1 (the caller's); times on trace_now_ns()'s clock.")
+      .def_prop_ro(
+          "trace_dropped", [](const TensorPager& tp) { return tp.pager().trace_dropped(); },
+          "Events dropped because nobody took them (csrc/mm/trace.h: kMaxTraceEvents).")
       .def(
           "set_rebuild_hook",
           [](TensorPager& tp, nb::object hook) {
