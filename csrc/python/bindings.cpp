@@ -8,6 +8,7 @@
 
 namespace nb = nanobind;
 
+void init_io(nb::module_& m);
 void init_pager(nb::module_& m);
 void init_store(nb::module_& m);
 
@@ -16,4 +17,5 @@ NB_MODULE(_core, m) {
   nb::module_::import_("mlx.core");
   init_pager(m);
   init_store(m);
+  init_io(m);
 }
