@@ -15,6 +15,7 @@ own with no-op defaults:
                                stats: the pager's counters its record counts from
   on_block(weights, phase, i)  after each block of a sweep (memory traces)
   on_update_begin() / on_update_end()  around the optimizer update
+  on_session(session)          the paged session is open (its plan, governor)
   on_save(path, iteration)     a checkpoint or the final adapters were written
   on_message(text)             a line for the user
   close()                      the run is over (always called)
@@ -53,6 +54,9 @@ class PagerCallback(TrainingCallback):
         pass
 
     def on_update_end(self):
+        pass
+
+    def on_session(self, session):
         pass
 
     def on_save(self, path, iteration: Optional[int]):
@@ -116,6 +120,9 @@ class Callbacks(PagerCallback):
 
     def on_update_end(self):
         self._each("on_update_end")
+
+    def on_session(self, session):
+        self._each("on_session", session)
 
     def on_save(self, path, iteration):
         self._each("on_save", path, iteration)

@@ -9,7 +9,8 @@ mlx-pager demo          the offline main job: generate (once) a model several
 mlx-pager generate ...  drop-in for mlx_lm.generate (same flags) with the
                         weights paged under --memory-budget
 mlx-pager make-model DIR  write a small random-weight test model
-mlx-pager plot FILE     a PNG of a --report file (memory by component, I/O)
+mlx-pager plot FILE     a PNG of a --report file (memory by component, I/O),
+                        or of one step of a --trace file (its timeline)
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def _lora_parser() -> argparse.ArgumentParser:
             action.help = "Accepted for compatibility: mlx-pager always checkpoints blocks."
     g = _paging_flags(parser, fill_later=True, readahead="Blocks to read ahead (default 2; 0 = off).")
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
+    g.add_argument(
+        "--trace",
+        type=str,
+        default=None,
+        help="Write a timeline of the run to this file (Chrome trace JSON; open it in https://ui.perfetto.dev "
+        "or draw a step with `mlx-pager plot --trace FILE`): block forward/backward, the update, reads per "
+        "I/O thread, acquire waits, evictions.",
+    )
     g.add_argument(
         "--resume",
         action="store_true",
@@ -265,20 +274,31 @@ def make_model_main(argv) -> int:
 
 def plot_main(argv) -> int:
     from .plot import __doc__ as plot_doc
-    from .plot import plot_report
+    from .plot import plot_report, plot_trace
+    from .trace import is_trace
 
     p = argparse.ArgumentParser(
         prog="mlx-pager plot", description=plot_doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("report", help="A JSON-lines file written by `mlx-pager lora --report FILE`.")
-    p.add_argument("-o", "--output", default=None, help="PNG path (default: REPORT with .png)")
+    p.add_argument(
+        "report", nargs="?", help="A JSON-lines file written by `mlx-pager lora --report FILE` (or a --trace file)."
+    )
+    p.add_argument("--trace", default=None, help="Draw one step of a file written by `mlx-pager lora --trace FILE`.")
+    p.add_argument("--step", type=int, default=None, help="With --trace: the step (iteration) to draw (default: last).")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default: the input with .png)")
     p.add_argument("--budget", default=None, help="Draw this memory budget, e.g. 450MB.")
     a = p.parse_args(argv)
     from .budget import parse_size
 
-    out = a.output or str(Path(a.report).with_suffix(".png"))
+    trace = a.trace or (a.report if a.report and is_trace(a.report) else None)
+    if trace is None and a.report is None:
+        p.error("give a --report file or --trace FILE")
+    out = a.output or str(Path(trace or a.report).with_suffix(".png"))
     try:
-        plot_report(a.report, out, parse_size(a.budget, "--budget") if a.budget else None)
+        if trace is not None:
+            plot_trace(trace, out, a.step)
+        else:
+            plot_report(a.report, out, parse_size(a.budget, "--budget") if a.budget else None)
     except (OSError, ValueError) as e:  # BudgetError is a ValueError
         print(f"mlx-pager plot: {e}", file=sys.stderr)
         return 2

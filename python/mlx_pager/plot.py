@@ -10,6 +10,13 @@ header record, or where the iteration count starts again):
           optimizer state), MLX's buffer cache, and the rest of the process,
           with the process's RSS and the budget (--budget) as lines
   bottom  each optimizer step's time split into waiting on I/O and the rest
+
+`mlx-pager plot --trace TRACE.json [--step N]`: one optimizer step's timeline
+from the file `mlx-pager lora --trace FILE` writes (trace.py): a row per
+thread. compute: each block's forward, no-recompute tail and backward, the
+optimizer update, and (in red, below) the time acquire() waited for a page;
+io-0..N: the chunk reads of each I/O thread (one colour per page) and the
+checksum verification after them; pager: evictions. Default: the last step.
 """
 
 from __future__ import annotations
@@ -123,6 +130,126 @@ def plot_report(path, out, budget=None):
         if run.steps:
             _steps(bottom, run.steps)
         bottom.set_title(f"{name}: step time, I/O wait vs the rest", fontsize=9)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------ trace --
+
+_PHASE_COLORS = {
+    "forward": "tab:blue",
+    "tail": "tab:purple",
+    "backward": "tab:orange",
+    "eval": "tab:cyan",
+    "update": "tab:green",
+    "validation": "lightgrey",
+}
+
+
+def trace_step(events, step=None):
+    """(the step's span, the events of that step's window) of a trace: step
+    `step` (its iteration), or the last one. The window starts early enough
+    to hold the reads counted in the step (readahead starts some in the
+    step before)."""
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "step"]
+    if not steps:
+        raise ValueError("the trace has no optimizer steps: was it written by `mlx-pager lora --train --trace FILE`?")
+    if step is None:
+        span = steps[-1]
+    else:
+        found = [e for e in steps if e["args"].get("iteration") == step]
+        if not found:
+            its = [e["args"].get("iteration") for e in steps]
+            raise ValueError(f"the trace has no step {step}; its steps are {its}")
+        span = found[0]
+    k = span["args"].get("iteration")
+    lo, hi = span["ts"], span["ts"] + span["dur"]
+    for e in events:
+        if e.get("ph") == "X" and e.get("args", {}).get("step") == k and e.get("cat") in ("chunk", "read"):
+            lo = min(lo, e["ts"])
+    inside = []
+    for e in events:
+        if e.get("ph") not in ("X", "i"):
+            continue
+        end = e["ts"] + e.get("dur", 0)
+        if end >= lo and e["ts"] <= hi:
+            inside.append(e)
+    return span, lo, hi, inside
+
+
+def plot_trace(path, out, step=None):
+    """Draws one optimizer step of a --trace file into the PNG `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from .trace import load_trace, thread_names
+
+    events = load_trace(path)
+    names = thread_names(events)
+    span, lo, hi, inside = trace_step(events, step)
+    io_tids = sorted(t for t, n in names.items() if n.startswith("io-"))
+    compute = next((t for t, n in names.items() if n == "compute"), 1)
+    pager = next((t for t, n in names.items() if n == "pager"), 2)
+    rows = [compute] + io_tids + [pager]  # top to bottom
+    y = {tid: len(rows) - 1 - r for r, tid in enumerate(rows)}
+    t0 = span["ts"]
+
+    def ms(us):
+        return (us - t0) / 1000.0
+
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.55 * len(rows)), constrained_layout=True)
+    page_colors, palette = {}, plt.get_cmap("tab20b").colors
+    wait_total = 0.0
+    for e in inside:
+        tid, cat = e["tid"], e.get("cat")
+        if tid not in y:
+            continue
+        row = y[tid]
+        if e["ph"] == "i":
+            if cat == "evict":
+                ax.vlines(ms(e["ts"]), row - 0.35, row + 0.35, color="crimson", lw=1.2)
+            continue
+        x, w = ms(e["ts"]), e["dur"] / 1000.0
+        if tid == compute:
+            if cat in _PHASE_COLORS and cat != "validation":
+                ax.broken_barh([(x, w)], (row - 0.05, 0.4), color=_PHASE_COLORS[cat], edgecolor="white", lw=0.5)
+                if w > (hi - lo) / 1000.0 / 60:
+                    label = e["name"].split(" ", 1)[-1] if cat != "update" else "upd"
+                    ax.text(x + w / 2, row + 0.15, label, ha="center", va="center", fontsize=6, color="white")
+            elif cat in ("wait", "reclaim"):
+                wait_total += w
+                color = "red" if cat == "wait" else "darkred"
+                ax.broken_barh([(x, max(w, 1e-3))], (row - 0.4, 0.3), color=color)
+        elif tid in io_tids:
+            if cat in ("chunk", "reread"):
+                page = e["args"].get("page", "")
+                color = page_colors.setdefault(page, palette[len(page_colors) % len(palette)])
+                ax.broken_barh([(x, w)], (row - 0.35, 0.7), color=color, edgecolor="white", lw=0.3)
+            elif cat == "verify":
+                ax.broken_barh([(x, w)], (row - 0.35, 0.2), color="dimgrey")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([names.get(t, str(t)) for t in reversed(rows)])
+    ax.set_xlim(ms(lo), ms(hi))
+    ax.set_xlabel("ms from the start of the step")
+    a = span["args"]
+    title = f"{Path(str(path)).name}: step {a.get('iteration')}, {span['dur'] / 1000:.1f} ms"
+    if "bytes_read" in a:
+        title += f", {a['bytes_read'] / 1e6:.1f} MB read"
+    title += f", acquire waits {wait_total:.1f} ms"
+    ax.set_title(title, fontsize=9)
+    handles = [Patch(color=c, label=k) for k, c in _PHASE_COLORS.items() if k not in ("eval", "validation")]
+    handles += [
+        Patch(color="red", label="acquire wait"),
+        Patch(color="darkred", label="reclaim wait"),
+        Patch(color="dimgrey", label="verify"),
+        Patch(color=palette[0], label="chunk reads (a colour per page)"),
+        Patch(color="crimson", label="eviction"),
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

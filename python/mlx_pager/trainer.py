@@ -79,6 +79,8 @@ DEFAULTS = {
     "direct_io": True,
     "head_chunk_bytes": 64 << 20,
     "report": None,
+    # --trace FILE: a Chrome trace / Perfetto timeline of the run (trace.py).
+    "trace": None,
     "quiet": False,
     # Continue from adapter_path's resume state (resume.py).
     "resume": False,
@@ -237,6 +239,16 @@ def _callbacks(args, training_callback) -> Callbacks:
                 },
             )
         )
+    if args.trace:
+        from .trace import TraceCallback
+
+        cbs.append(
+            TraceCallback(
+                args.trace,
+                io_threads=args.io_threads,
+                run_info={"model": str(args.model), "memory_budget": args.memory_budget, "iters": args.iters},
+            )
+        )
     cbs += [loggers, training_callback]
     return Callbacks(cbs)
 
@@ -292,6 +304,7 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
     )
     result.plan = session.plan
     result.page_footprints = session.page_footprints
+    cb.on_session(session)
     try:
         if args.train:
             result.adapter_file = train_model(args, session, train_cached, valid_cached, cb, result)
