@@ -144,6 +144,9 @@ class Pager {
   std::uint64_t set_budget(std::uint64_t bytes);
   // Pages read ahead of the schedule (0: off); returns the previous value.
   int set_readahead(int pages);
+  // Aggressive (true) or conservative readahead (readahead.cpp); returns the
+  // previous mode.
+  bool set_readahead_aggressive(bool on);
   std::uint64_t budget() const;
 
   // ---- counters ----

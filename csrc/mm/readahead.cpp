@@ -18,11 +18,22 @@
 // aggressive mode readahead then evicts the next-best page instead (one not
 // needed before the page it reads): more reads than MIN, more overlap.
 #include <algorithm>
+#include <utility>
 
 #include "mm/bug.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
+
+bool Pager::set_readahead_aggressive(bool on) {
+  bool old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    old = std::exchange(readahead_aggressive_, on);
+  }
+  readahead();
+  return old;
+}
 
 void Pager::readahead() {
   std::unique_lock<std::mutex> lock(mu_);

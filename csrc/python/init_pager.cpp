@@ -186,6 +186,24 @@ void init_pager(nb::module_& m) {
       .def(
           "set_readahead", [](TensorPager& tp, int n) { return tp.pager().set_readahead(n); },
           "pages"_a, "Pages read ahead of the schedule (0: off); returns the previous value.")
+      .def(
+          "set_readahead_mode",
+          [](TensorPager& tp, const std::string& mode) {
+            if (mode != "conservative" && mode != "aggressive") {
+              throw std::invalid_argument(
+                  "[Pager] readahead_mode must be 'conservative' or 'aggressive', not '" + mode +
+                  "'");
+            }
+            bool was = tp.pager().set_readahead_aggressive(mode == "aggressive");
+            return std::string(was ? "aggressive" : "conservative");
+          },
+          "mode"_a, "'conservative' or 'aggressive' (readahead.cpp); returns the previous mode.")
+      .def(
+          "page_state",
+          [](const TensorPager& tp, nb::handle page) {
+            return std::string(to_string(tp.pager().state(page_id(tp, page))));
+          },
+          "page"_a, "'on_disk', 'in_flight' or 'resident'.")
       .def_prop_ro("budget", [](const TensorPager& tp) { return tp.pager().budget(); })
       .def(
           "lookup",

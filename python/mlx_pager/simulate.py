@@ -1,0 +1,707 @@
+"""Predicting a paged step's time.
+
+A training step uses the blocks' pages in an order known in advance (the
+schedule: forward, then backward), holding each while it computes. How long
+the step takes depends on which pages the budget keeps, on when readahead
+starts each read, and on how reads and compute overlap. ``simulate`` replays
+the pager's own decisions, rule for rule, against a model of the disk and of
+the step's compute, and returns the step time, I/O wait and bytes read in
+steady state (several steps, so that reads started across the step boundary,
+during the head, the optimizer update and the next embedding, count):
+
+  the pager    csrc/mm: the fault path (fault.cpp: acquire, release, the
+               cursor), reclaim (reclaim.cpp: make_room, choose_victim with
+               priorities, MIN or LRU, ties to the least recently used) and
+               readahead (readahead.cpp: the next `readahead` distinct pages
+               of the schedule, MIN's victim or a wait in conservative mode,
+               the next-best victim in aggressive mode). Pinned pages are
+               outside the page budget and not modelled.
+  the disk     page_io.cpp: a read is split into chunks; `threads` I/O
+               threads take chunks in order, demand reads before readahead,
+               and share the device's rate (R, measured at the pager's own
+               I/O shape: read_rate_for_session, benchlib.read_rate): while
+               any chunk is being read the device gives `rate` bytes/s.
+  the compute  one Access per bound group of pages: `gap_s` of compute with
+               no page held (the head, the optimizer update), then its pages
+               acquired in order, `hold_s` of compute, released in reverse.
+
+``best_settings`` is the simulator's best over the policy space (readahead
+depth, conservative or aggressive); ``choose_readahead`` is the pager's own
+cheap choice (a few depths), which ``tune_readahead`` applies to a running
+pager from a measured step. ``min_pages_per_step`` is MIN's read count, the
+bound every policy is measured against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+# Page states (page_table.h).
+ON_DISK, IN_FLIGHT, RESIDENT = 0, 1, 2
+NEVER = (1 << 64) - 1  # Schedule::kNever
+DEFAULT_CHUNK_BYTES = 8 << 20  # kDefaultIoChunkBytes (page_io.h)
+MODES = ("conservative", "aggressive")
+# Bytes read may exceed MIN's by this fraction where a policy reads more to
+# overlap (the automatic choice's default cap).
+DEFAULT_EXTRA_READS = 0.10
+
+
+class SimBudgetError(MemoryError):
+    """The simulated pager could not fit a page (the pager's BudgetError)."""
+
+
+@dataclass
+class Access:
+    """One use of pages by the training thread (a `weights.bound(...)`)."""
+
+    pages: Tuple[int, ...]  # acquired in this order, released in reverse
+    hold_s: float = 0.0  # compute while they are held
+    gap_s: float = 0.0  # compute before they are acquired, with no page held
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The pager's policy settings (PagerConfig)."""
+
+    readahead: int = 2
+    mode: str = "conservative"
+    policy: str = "optimal"
+
+    def label(self) -> str:
+        if self.readahead == 0:
+            return f"{self.policy}, no readahead"
+        return f"{self.policy}, readahead {self.readahead} {self.mode}"
+
+
+@dataclass
+class Disk:
+    rate: float  # bytes/s while any read is under way
+    threads: int = 4
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+
+@dataclass
+class Read:
+    page: int
+    urgent: bool  # a fault's read (else readahead's)
+    submitted: float
+    done: float = -1.0
+
+
+@dataclass
+class Prediction:
+    settings: Settings
+    step_s: float  # mean over the measured steps
+    io_wait_s: float  # per step: acquires waiting for reads
+    reclaim_wait_s: float  # per step: faults waiting for room
+    bytes_read: float  # per step
+    pages_read: float  # per step
+    steps: List[dict] = field(default_factory=list)  # every simulated step
+    reads: List[Read] = field(default_factory=list)  # every read, in submission order
+    counters: Dict[str, int] = field(default_factory=dict)  # as the pager's stats
+
+
+# ------------------------------------------------------------------ MIN ----
+def min_reads_by_step(order: Sequence[int], footprints, budget: int, steps: int) -> List[int]:
+    """Pages Belady's MIN reads in each of `steps` repetitions of `order`
+    (the page of each access of one step), pages charged their own
+    footprints against a byte budget (evict the furthest next use until the
+    page fits), as the pager charges them. Pages not used again are evicted
+    first, as the pager's cyclic schedule never says "never"; the last step
+    sees no future beyond itself."""
+    seq = list(order) * steps
+    nxt, last = [0] * len(seq), {}
+    for t in range(len(seq) - 1, -1, -1):
+        nxt[t] = last.get(seq[t], 10**9 + t)
+        last[seq[t]] = t
+    cache, used, per = {}, 0, [0] * steps
+    S = max(1, len(order))
+    for t, pg in enumerate(seq):
+        if pg not in cache:
+            per[t // S] += 1
+            while cache and used + footprints[pg] > budget:
+                victim = max(cache, key=cache.get)
+                used -= footprints[victim]
+                del cache[victim]
+            used += footprints[pg]
+        cache[pg] = nxt[t]
+    return per
+
+
+def min_pages_per_step(accesses: Sequence[Access], footprints, budget, steps: int = 6, warmup: int = 2) -> float:
+    """MIN's pages read per step for a step of `accesses`, averaged over the
+    steps a simulation of `steps` steps measures (after `warmup`), with two
+    more steps of future (on a cyclic order MIN's reads can alternate from
+    step to step, so one step's difference is not its mean)."""
+    order = [p for a in accesses for p in a.pages]
+    per = min_reads_by_step(order, footprints, budget, steps + 2)[min(warmup, steps - 1) : steps]
+    return sum(per) / len(per)
+
+
+# ------------------------------------------------------------ the pager ----
+class _Cand:
+    __slots__ = ("id", "priority", "last_access", "next_use")
+
+    def __init__(self, id, priority, last_access, next_use):
+        self.id, self.priority, self.last_access, self.next_use = id, priority, last_access, next_use
+
+
+def _choose_victim(optimal: bool, cands: List[_Cand]) -> int:
+    """reclaim.cpp's choose_victim: lower priority first, then (optimal) the
+    furthest next use, then the least recently used; ties keep the first."""
+    best = 0
+    for i in range(1, len(cands)):
+        a, b = cands[i], cands[best]
+        if a.priority != b.priority:
+            before = a.priority < b.priority
+        elif optimal and a.next_use != b.next_use:
+            before = a.next_use > b.next_use
+        else:
+            before = a.last_access < b.last_access
+        if before:
+            best = i
+    return best
+
+
+class _Sim:
+    def __init__(self, order, footprints, read_bytes, budget, disk: Disk, settings: Settings, priorities=None):
+        if settings.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {settings.mode!r}")
+        if settings.policy not in ("optimal", "lru"):
+            raise ValueError(f"policy must be 'optimal' or 'lru', not {settings.policy!r}")
+        n = len(footprints)
+        self.n, self.fp, self.rb, self.budget = n, list(footprints), list(read_bytes), budget
+        self.prio = list(priorities) if priorities is not None else [0] * n
+        self.optimal = settings.policy == "optimal"
+        self.depth = max(0, settings.readahead)
+        self.aggressive = settings.mode == "aggressive"
+        self.order = list(order)
+        self.S = len(self.order)
+        self.positions: List[List[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(self.order):
+            self.positions[p].append(i)
+        self.state = [ON_DISK] * n
+        self.refs = [0] * n
+        self.last = [0] * n
+        self.prefetched = [False] * n
+        self.clock = 0
+        self.cursor = 0
+        self.charged = 0
+        self.t = 0.0
+        self.c = dict(
+            acquires=0, hits=0, readahead_hits=0, faults=0, readahead_reads=0, evictions=0, pages_read=0, bytes_read=0
+        )
+        self.io_wait = 0.0
+        self.reclaim_wait = 0.0
+        self.reads: List[Read] = []
+        self._read_of: Dict[int, Read] = {}
+        # the disk
+        self.disk = disk
+        self.urgent_q: deque = deque()
+        self.background_q: deque = deque()
+        self.active: List[list] = []  # [page, bytes left]
+        self.pending = [0] * n  # chunks of the page's read not yet done
+
+    # ---- schedule.cpp ----
+    def next_use(self, page: int, pos: int) -> int:
+        p = self.positions[page] if page < self.n else []
+        if not p:
+            return NEVER
+        pos %= self.S
+        i = bisect.bisect_left(p, pos)
+        return p[i] - pos if i < len(p) else p[0] + self.S - pos
+
+    # ---- fault.cpp ----
+    def advance_cursor(self, page: int):
+        d = self.next_use(page, self.cursor)
+        if d != NEVER:
+            self.cursor = (self.cursor + d + 1) % self.S
+
+    def acquire(self, p: int):
+        self.c["acquires"] += 1
+        self.advance_cursor(p)
+        counted = False
+        while True:
+            st = self.state[p]
+            if st == RESIDENT:
+                if not counted:
+                    self.c["readahead_hits" if self.prefetched[p] else "hits"] += 1
+                self.prefetched[p] = False
+                self.refs[p] += 1
+                self.clock += 1
+                self.last[p] = self.clock
+                self.readahead()
+                return
+            if st == IN_FLIGHT:
+                if not counted:
+                    counted = True
+                    self.c["readahead_hits" if self.prefetched[p] else "faults"] += 1
+                self.prefetched[p] = False
+                t0 = self.t
+                yield ("page", p)
+                self.io_wait += self.t - t0
+                continue
+            yield from self.make_room(self.fp[p], p)
+            self.start_read(p, urgent=True)
+            if self.state[p] == IN_FLIGHT and not counted:
+                counted = True
+                self.c["faults"] += 1
+
+    def release(self, p: int):
+        if self.refs[p] <= 0:
+            raise RuntimeError(f"page {p} is not acquired")
+        self.refs[p] -= 1
+        self.readahead()
+
+    def start_read(self, p: int, urgent: bool):
+        if self.state[p] != ON_DISK:
+            return
+        self.charged += self.fp[p]
+        self.state[p] = IN_FLIGHT
+        self.prefetched[p] = not urgent
+        if not urgent:
+            self.c["readahead_reads"] += 1
+        r = Read(p, urgent, self.t)
+        self.reads.append(r)
+        self._read_of[p] = r
+        self.submit(p, urgent)
+
+    def complete_read(self, p: int):
+        self.state[p] = RESIDENT
+        self.clock += 1
+        self.last[p] = self.clock
+        self.c["pages_read"] += 1
+        self.c["bytes_read"] += self.rb[p]
+        self._read_of.pop(p).done = self.t
+
+    # ---- reclaim.cpp ----
+    def evictable(self) -> List[_Cand]:
+        return [
+            _Cand(i, self.prio[i], self.last[i], self.next_use(i, self.cursor))
+            for i in range(self.n)
+            if self.state[i] == RESIDENT and self.refs[i] == 0
+        ]
+
+    def evict(self, p: int):
+        self.state[p] = ON_DISK
+        self.charged -= self.fp[p]
+        self.prefetched[p] = False
+        self.c["evictions"] += 1
+
+    def make_room(self, need: int, p: int):
+        if need > self.budget:
+            raise SimBudgetError(f"page {p} needs {need} bytes, the page budget is {self.budget}")
+        while True:
+            if self.charged + need <= self.budget:
+                return
+            cands = self.evictable()
+            if cands:
+                self.evict(cands[_choose_victim(self.optimal, cands)].id)
+                continue
+            if any(self.state[i] == IN_FLIGHT for i in range(self.n) if i != p):
+                t0 = self.t
+                yield ("completion", None)
+                self.reclaim_wait += self.t - t0
+                continue
+            raise SimBudgetError(f"page {p}: every resident page is in use")
+
+    # ---- readahead.cpp ----
+    def readahead(self):
+        if self.depth <= 0 or not self.S:
+            return
+        seen, visited = 0, set()
+        for k in range(self.S):
+            if seen >= self.depth:
+                break
+            pid = self.order[(self.cursor + k) % self.S]
+            if pid in visited:
+                continue
+            visited.add(pid)
+            seen += 1
+            if self.state[pid] != ON_DISK:
+                continue
+            if not self.readahead_one(pid):
+                break
+
+    def readahead_one(self, pid: int) -> bool:
+        need = self.fp[pid]
+        if need > self.budget:
+            return False
+        when = self.next_use(pid, self.cursor)
+        while True:
+            if self.state[pid] != ON_DISK:
+                return True
+            if self.charged + need <= self.budget:
+                self.start_read(pid, urgent=False)
+                return self.state[pid] != ON_DISK
+            cands = self.evictable()
+            evictable = len(cands)
+            if self.optimal:
+                for o in range(self.n):
+                    busy = self.state[o] == IN_FLIGHT or (self.state[o] == RESIDENT and self.refs[o] > 0)
+                    if busy and o != pid:
+                        cands.append(_Cand(o, self.prio[o], self.last[o], 0))
+                after = self.cursor + when + 1
+                for c in cands:
+                    c.next_use = self.next_use(c.id, after)
+            if not cands:
+                return False
+            pick = _choose_victim(self.optimal, cands)
+            if self.aggressive and (pick >= evictable or self.next_use(cands[pick].id, self.cursor) <= when):
+                ok = [c for c in cands[:evictable] if self.next_use(c.id, self.cursor) > when]
+                if not ok:
+                    return False
+                self.evict(ok[_choose_victim(self.optimal, ok)].id)
+                continue
+            v = cands[pick]
+            if pick >= evictable or self.next_use(v.id, self.cursor) <= when:
+                return False
+            self.evict(v.id)
+
+    # ---- page_io.cpp ----
+    def submit(self, p: int, urgent: bool):
+        q = self.urgent_q if urgent else self.background_q
+        left, chunk, n = self.rb[p], self.disk.chunk_bytes, 0
+        while left > 0 or n == 0:
+            q.append((p, min(chunk, left) if left > 0 else 0))
+            left -= chunk
+            n += 1
+        self.pending[p] = n
+        self._fill()
+
+    def _fill(self):
+        while len(self.active) < self.disk.threads and (self.urgent_q or self.background_q):
+            q = self.urgent_q if self.urgent_q else self.background_q
+            p, nbytes = q.popleft()
+            self.active.append([p, float(nbytes)])
+
+    def _next_chunk_s(self) -> float:
+        if not self.active:
+            return float("inf")
+        return max(0.0, min(a[1] for a in self.active)) * len(self.active) / self.disk.rate
+
+    def advance(self, until: float, stop=None):
+        """Runs the disk to time `until`, or until `stop()` holds after a
+        read completes (then returns True). The active chunks share the
+        device's rate equally."""
+        while True:
+            dt = self._next_chunk_s()
+            if self.t + dt > until:
+                if self.active and until > self.t:
+                    moved = (until - self.t) * self.disk.rate / len(self.active)
+                    for a in self.active:
+                        a[1] -= moved
+                self.t = max(self.t, until)
+                return False
+            self.t += dt
+            moved = dt * self.disk.rate / len(self.active)
+            done, still = [], []
+            for a in self.active:
+                a[1] -= moved
+                (done if a[1] <= 1e-6 * self.disk.chunk_bytes else still).append(a)
+            self.active = still
+            self._fill()
+            completed = False
+            for p, _ in done:
+                self.pending[p] -= 1
+                if self.pending[p] == 0:
+                    self.complete_read(p)
+                    completed = True
+            if completed and stop is not None and stop():
+                return True
+
+
+def _program(sim: _Sim, accesses: Sequence[Access], steps: int, marks: List[float], events: Optional[list]):
+    def note(kind, p):
+        if events is not None:
+            events.append((kind, p, frozenset(i for i in range(sim.n) if sim.state[i] != ON_DISK)))
+
+    sim.readahead()  # set_schedule looks ahead at once
+    note("schedule", None)
+    for _ in range(steps):
+        marks.append(sim.t)
+        for a in accesses:
+            if a.gap_s > 0:
+                yield ("compute", a.gap_s)
+            for p in a.pages:
+                yield from sim.acquire(p)
+                note("acquire", p)
+            if a.hold_s > 0:
+                yield ("compute", a.hold_s)
+            for p in reversed(a.pages):
+                sim.release(p)
+                note("release", p)
+    marks.append(sim.t)
+
+
+def simulate(
+    accesses: Sequence[Access],
+    footprints: Sequence[int],
+    budget: int,
+    disk: Disk,
+    settings: Settings = Settings(),
+    steps: int = 6,
+    warmup: int = 2,
+    read_bytes: Optional[Sequence[int]] = None,
+    priorities: Optional[Sequence[int]] = None,
+    events: Optional[list] = None,
+) -> Prediction:
+    """The pager with `settings` and a page budget of `budget` bytes, running
+    `steps` steps of `accesses` against `disk`; the step figures are means
+    over the steps after the first `warmup`. `footprints`: bytes each page
+    is charged (PagedWeights.page_bytes + IO_ALIGN); `read_bytes`: bytes each
+    page's read transfers (default: its footprint). `events`: a list that
+    gets (kind, page, pages charged) after set_schedule and every acquire
+    and release (the pages charged: resident or in flight)."""
+    order = [p for a in accesses for p in a.pages]
+    rb = list(read_bytes) if read_bytes is not None else list(footprints)
+    sim = _Sim(order, footprints, rb, budget, disk, settings, priorities)
+    marks: List[float] = []
+    per_step = []
+    gen = _program(sim, accesses, steps, marks, events)
+    waits_at, bytes_at, pages_at = [], [], []
+
+    def snapshot():
+        waits_at.append((sim.io_wait, sim.reclaim_wait))
+        bytes_at.append(sim.c["bytes_read"])
+        pages_at.append(sim.c["pages_read"])
+
+    try:
+        req = next(gen)
+        while True:
+            while len(waits_at) < len(marks):
+                snapshot()
+            kind, arg = req
+            if kind == "compute":
+                sim.advance(sim.t + arg)
+            elif kind == "page":
+                if sim.state[arg] == IN_FLIGHT and not sim.advance(
+                    float("inf"), lambda p=arg: sim.state[p] != IN_FLIGHT
+                ):
+                    raise RuntimeError("a read never completed")  # unreachable: the disk drains
+            else:  # any read completing
+                sim.advance(float("inf"), lambda: True)
+            req = gen.send(None)
+    except StopIteration:
+        pass
+    while len(waits_at) < len(marks):
+        snapshot()
+    while sim.active:  # reads the last release started land after the last step
+        sim.advance(float("inf"), lambda: not sim.active)
+    for s in range(steps):
+        per_step.append(
+            dict(
+                step_s=marks[s + 1] - marks[s],
+                io_wait_s=waits_at[s + 1][0] - waits_at[s][0],
+                reclaim_wait_s=waits_at[s + 1][1] - waits_at[s][1],
+                bytes_read=bytes_at[s + 1] - bytes_at[s],
+                pages_read=pages_at[s + 1] - pages_at[s],
+            )
+        )
+    measured = per_step[min(warmup, steps - 1) :]
+
+    def mean(k):
+        return sum(s[k] for s in measured) / len(measured)
+
+    return Prediction(
+        settings=settings,
+        step_s=mean("step_s"),
+        io_wait_s=mean("io_wait_s"),
+        reclaim_wait_s=mean("reclaim_wait_s"),
+        bytes_read=mean("bytes_read"),
+        pages_read=mean("pages_read"),
+        steps=per_step,
+        reads=sim.reads,
+        counters=dict(sim.c),
+    )
+
+
+# ------------------------------------------------------- choosing a policy --
+def _space(num_pages: int, depths: Optional[Iterable[int]], policies: Sequence[str]) -> List[Settings]:
+    ds = sorted(set(depths)) if depths is not None else list(range(0, num_pages + 1))
+    out = []
+    for pol in policies:
+        for d in ds:
+            for m in MODES if d > 0 else MODES[:1]:
+                out.append(Settings(readahead=d, mode=m, policy=pol))
+    return out
+
+
+def _pick(preds: List[Prediction], min_bytes: float, max_extra: Optional[float]) -> Prediction:
+    """The fastest prediction whose bytes stay within (1 + max_extra) of
+    MIN's; ties (within 0.1%) go to fewer bytes, then to the earlier entry."""
+    ok = [p for p in preds if max_extra is None or p.bytes_read <= (1 + max_extra) * min_bytes + 1]
+    ok = ok or [min(preds, key=lambda p: p.bytes_read)]
+    best = min(p.step_s for p in ok)
+    near = [p for p in ok if p.step_s <= best * 1.001]
+    return min(near, key=lambda p: p.bytes_read)
+
+
+def min_bytes_per_step(accesses, footprints, budget, read_bytes=None, steps: int = 6, warmup: int = 2) -> float:
+    """MIN's bytes per step (min_pages_per_step), pages priced at their mean
+    read size."""
+    rb = list(read_bytes) if read_bytes is not None else list(footprints)
+    used = sorted({p for a in accesses for p in a.pages})
+    mean_read = sum(rb[p] for p in used) / max(1, len(used))
+    return min_pages_per_step(accesses, footprints, budget, steps, warmup) * mean_read
+
+
+def best_settings(
+    accesses: Sequence[Access],
+    footprints: Sequence[int],
+    budget: int,
+    disk: Disk,
+    max_extra: Optional[float] = DEFAULT_EXTRA_READS,
+    policies: Sequence[str] = ("optimal",),
+    depths: Optional[Iterable[int]] = None,
+    read_bytes: Optional[Sequence[int]] = None,
+    **sim_kw,
+) -> Prediction:
+    """The simulator's best over the whole policy space (every readahead
+    depth from 0 to the number of pages, both modes, `policies`), with bytes
+    read at most (1 + max_extra) x MIN's (None: no cap)."""
+    n = len({p for a in accesses for p in a.pages})
+    preds = [
+        simulate(accesses, footprints, budget, disk, s, read_bytes=read_bytes, **sim_kw)
+        for s in _space(n, depths, policies)
+    ]
+    mn = min_bytes_per_step(accesses, footprints, budget, read_bytes, sim_kw.get("steps", 6), sim_kw.get("warmup", 2))
+    return _pick(preds, mn, max_extra)
+
+
+def candidate_depths(num_pages: int) -> List[int]:
+    """The depths the automatic choice tries: 1, 2, 4, ... and every page."""
+    ds, d = {num_pages}, 1
+    while d < num_pages:
+        ds.add(d)
+        d *= 2
+    return sorted(ds)
+
+
+def choose_readahead(
+    accesses: Sequence[Access],
+    footprints: Sequence[int],
+    budget: int,
+    disk: Disk,
+    policy: str = "optimal",
+    max_extra: Optional[float] = DEFAULT_EXTRA_READS,
+    read_bytes: Optional[Sequence[int]] = None,
+    steps: int = 6,
+    warmup: int = 2,
+) -> Prediction:
+    """The pager's own choice of readahead depth and mode for a step of
+    `accesses` (per-block compute as measured) on a disk of measured rate:
+    the fastest of a few candidates (depths 1, 2, 4, ..., all pages; both
+    modes) whose bytes stay within (1 + max_extra) x MIN's. Aggressive mode
+    (reads over MIN) is chosen only where the simulator says it pays."""
+    n = len({p for a in accesses for p in a.pages})
+    preds = [
+        simulate(accesses, footprints, budget, disk, s, steps=steps, warmup=warmup, read_bytes=read_bytes)
+        for s in _space(n, candidate_depths(n), (policy,))
+    ]
+    return _pick(preds, min_bytes_per_step(accesses, footprints, budget, read_bytes, steps, warmup), max_extra)
+
+
+# ------------------------------------------------ a measured step's compute --
+@dataclass
+class BlockMark:
+    """One on_block call of a training step: the pages of `block` (or of the
+    tail, phase "tail") were released at perf_counter `t`, when the pager's
+    cumulative io_wait_s + reclaim_wait_s was `wait_s`."""
+
+    phase: str  # "forward", "tail" or "backward"
+    block: int
+    t: float
+    wait_s: float
+
+
+def accesses_from_marks(
+    marks: Sequence[BlockMark], start: Tuple[float, float], end: Tuple[float, float], page_of: Sequence[int]
+) -> List[Access]:
+    """The accesses of one measured step, with their compute: each block's
+    time since the previous mark less the pager's waits in between. `start`
+    and `end`: (t, wait_s) at the step's start and end (after the optimizer
+    update); `page_of[i]`: block i's page id.
+
+    What a mark cannot tell apart is split by rule: the time after the last
+    block (the optimizer update) and before the first (embedding) is the
+    first access's gap; the first backward block after a forward sweep
+    without a tail also carries the head, so its hold is the median of the
+    other backward blocks and the rest is its gap."""
+    marks = [m for m in marks if m.phase in ("forward", "tail", "backward")]
+    groups: List[List[BlockMark]] = []
+    for m in marks:
+        if m.phase == "tail" and groups and groups[-1][0].phase == "tail":
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    out: List[Access] = []
+    t_prev, w_prev = start
+    busy = []
+    for g in groups:
+        last = g[-1]
+        busy.append(max(0.0, (last.t - t_prev) - (last.wait_s - w_prev)))
+        t_prev, w_prev = last.t, last.wait_s
+        blocks = sorted(m.block for m in g) if g[0].phase == "tail" else [g[0].block]
+        out.append(Access(pages=tuple(page_of[b] for b in blocks), hold_s=busy[-1]))
+    if not out:
+        return out
+    after = max(0.0, (end[0] - t_prev) - (end[1] - w_prev))
+    phases = [g[0].phase for g in groups]
+
+    def median_of(phase, skip):
+        xs = [b for b, ph, i in zip(busy, phases, range(len(busy))) if ph == phase and i != skip]
+        return statistics.median(xs) if xs else None
+
+    # The first access: embedding (and the previous step's update) before it.
+    hold0 = median_of(phases[0], 0)
+    if hold0 is not None and hold0 < out[0].hold_s:
+        out[0].gap_s, out[0].hold_s = out[0].hold_s - hold0, hold0
+    out[0].gap_s += after
+    # The head, before the first backward block when there is no tail.
+    if "backward" in phases and "tail" not in phases:
+        i = phases.index("backward")
+        h = median_of("backward", i)
+        if h is not None and h < out[i].hold_s:
+            out[i].gap_s, out[i].hold_s = out[i].hold_s - h, h
+    return out
+
+
+def tune_readahead(
+    pager,
+    accesses: Sequence[Access],
+    footprints: Sequence[int],
+    page_budget: int,
+    rate: float,
+    io_threads: int,
+    policy: str = "optimal",
+    max_extra: Optional[float] = DEFAULT_EXTRA_READS,
+) -> Prediction:
+    """Sets the readahead depth and mode of a running `pager` (a
+    mlx_pager.Pager) to choose_readahead's choice for a measured step
+    (`accesses`, e.g. from accesses_from_marks) at read rate `rate`
+    (bytes/s, e.g. read_rate_for_session). Returns the chosen prediction."""
+    chosen = choose_readahead(accesses, footprints, page_budget, Disk(rate, io_threads), policy, max_extra)
+    pager.set_readahead(chosen.settings.readahead)
+    pager.set_readahead_mode(chosen.settings.mode)
+    return chosen
+
+
+def read_rate_for_session(paths: Sequence[str], page_bytes: int, io_threads: int, max_seconds: float = 0.5) -> float:
+    """A quick measure of the direct-read rate of the model's own files at
+    the pager's own I/O shape (its threads and chunk size, page-sized reads):
+    one setting, at most `max_seconds` (benchlib.read_rate tries several)."""
+    from ._core import measure_read_rate
+
+    r = measure_read_rate(
+        [str(p) for p in paths],
+        threads=io_threads,
+        batch_bytes=max(1 << 20, int(page_bytes)),
+        max_bytes=1 << 30,
+        max_seconds=max_seconds,
+    )
+    return float(r["bytes_per_s"])

@@ -1,0 +1,286 @@
+"""The step-time simulator: the same decisions as the real pager, MIN's
+bytes when compute is free, and the automatic readahead choice within 5% of
+the simulator's best on random instances."""
+
+import random
+import time
+
+import mlx.core as mx
+import pytest
+
+from mlx_pager import Pager, read_safetensors_index
+from mlx_pager import simulate as sim
+from mlx_pager._core import measure_read_rate
+
+
+def step_accesses(L, first, fwd, bwd, gap=0.0, head=0.0):
+    """A training step's accesses: forward 0..L-1, backward L-1..first."""
+    a = [sim.Access((i,), fwd[i]) for i in range(L)] + [sim.Access((i,), bwd[i]) for i in range(L - 1, first - 1, -1)]
+    a[0].gap_s += gap
+    if L > first:
+        a[L].gap_s += head
+    return a
+
+
+# ------------------------------------------------ against the real pager ----
+def real_pager(tmp_path, n, budget_pages, settings):
+    blocks = {f"b{i}": mx.full((64, 256), float(i)) for i in range(n)}  # 64 KiB each
+    path = tmp_path / "blocks.safetensors"
+    mx.save_safetensors(str(path), blocks)
+    tensors, _, _ = read_safetensors_index(str(path))
+    p = Pager(1 << 40, readahead=settings.readahead, policy=settings.policy, readahead_mode=settings.mode)
+    ids = []
+    for i in range(n):
+        dt, shape, off, nb = tensors[f"b{i}"]
+        ids.append(p.add_page_in_place(f"p{i}", [(f"b{i}", str(path), off, nb, dt, shape)]))
+    assert ids == list(range(n))
+    footprint = p.page_bytes(0) + 4096  # MlxFrameAllocator::footprint
+    assert all(p.page_bytes(i) + 4096 == footprint for i in ids)
+    budget = int(budget_pages * footprint)
+    p.set_budget(budget)
+    return p, [footprint] * n, budget
+
+
+def settle(p):
+    """Waits until no read is in flight (completions start nothing new)."""
+    t0 = time.perf_counter()
+    while p.stats()["in_flight_pages"]:
+        assert time.perf_counter() - t0 < 10, "reads did not finish"
+        time.sleep(0.001)
+
+
+def charged(p, n):
+    return frozenset(i for i in range(n) if p.page_state(i) != "on_disk")
+
+
+SCHEDULES = {
+    "train": lambda rng, n: list(range(n)) + list(range(n - 1, n // 3 - 1, -1)),
+    "random": lambda rng, n: [rng.randrange(n) for _ in range(2 * n)],
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize(
+    "settings",
+    [
+        sim.Settings(0, "conservative", "optimal"),
+        sim.Settings(1, "conservative", "optimal"),
+        sim.Settings(3, "conservative", "optimal"),
+        sim.Settings(2, "aggressive", "optimal"),
+        sim.Settings(5, "aggressive", "optimal"),
+        sim.Settings(2, "conservative", "lru"),
+        sim.Settings(2, "aggressive", "lru"),
+    ],
+    ids=lambda s: f"{s.policy}-{s.mode}-{s.readahead}",
+)
+@pytest.mark.parametrize("budget_pages", [1.5, 2.5, 4.2])
+def test_simulator_makes_the_real_pagers_decisions(tmp_path, schedule, settings, budget_pages):
+    """Every read, eviction and counter of the real pager, event by event,
+    with compute long enough for every read to land before the next event
+    (the order of decisions is then deterministic in both)."""
+    n, steps = 7, 3
+    rng = random.Random(hash((schedule, budget_pages)) & 0xFFFF)
+    order = SCHEDULES[schedule](rng, n)
+    p, footprints, budget = real_pager(tmp_path, n, budget_pages, settings)
+
+    real = []
+    p.set_schedule(order)
+    settle(p)
+    real.append(("schedule", None, charged(p, n)))
+    for _ in range(steps):
+        for page in order:
+            arrays = p.acquire(page)
+            del arrays
+            settle(p)
+            real.append(("acquire", page, charged(p, n)))
+            p.release(page)
+            settle(p)
+            real.append(("release", page, charged(p, n)))
+
+    events = []
+    pred = sim.simulate(
+        [sim.Access((page,), hold_s=1.0, gap_s=1.0) for page in order],
+        footprints,
+        budget,
+        sim.Disk(rate=1e12),
+        settings,
+        steps=steps,
+        events=events,
+    )
+    assert events == real
+    got = p.stats()
+    for k in ("acquires", "hits", "readahead_hits", "faults", "readahead_reads", "evictions", "pages_read"):
+        assert pred.counters[k] == got[k], k
+    # Reads in the same order: pages newly charged at each event.
+    real_reads = [sorted(b - a) for (_, _, a), (_, _, b) in zip(real, real[1:]) if b - a]
+    sim_reads = [sorted(b - a) for (_, _, a), (_, _, b) in zip(events, events[1:]) if b - a]
+    assert real_reads == sim_reads
+
+
+def test_switching_readahead_mode_at_run_time(tmp_path):
+    """set_readahead_mode / set_readahead change a running pager as a pager
+    built with those settings behaves (the simulator agrees with both)."""
+    n = 6
+    p, footprints, budget = real_pager(tmp_path, n, 2.5, sim.Settings(1, "conservative"))
+    assert p.set_readahead_mode("aggressive") == "conservative"
+    assert p.set_readahead(3) == 1
+    with pytest.raises(ValueError, match="conservative"):
+        p.set_readahead_mode("eager")
+    order = list(range(n)) + list(range(n - 1, -1, -1))
+    p.set_schedule(order)
+    settle(p)
+    for page in order * 2:
+        del page  # the arrays are not needed
+    for page in order * 2:
+        p.acquire(page)
+        settle(p)
+        p.release(page)
+        settle(p)
+    pred = sim.simulate(
+        [sim.Access((i,), 1.0, 1.0) for i in order],
+        footprints,
+        budget,
+        sim.Disk(1e12),
+        sim.Settings(3, "aggressive"),
+        steps=2,
+    )
+    assert pred.counters["pages_read"] == p.stats()["pages_read"]
+    assert pred.counters["evictions"] == p.stats()["evictions"]
+
+
+# --------------------------------------------------------------- MIN ----
+def test_free_compute_reads_belady_minimum():
+    """With compute free and MIN-safe readahead, the pages read per step are
+    Belady's minimum for the byte budget, for uneven page sizes and the
+    step's order: exactly without readahead, and within the one read
+    readahead may move across the window's ends with it."""
+    rng = random.Random(1)
+    for _ in range(60):
+        L = rng.randint(2, 12)
+        first = rng.randint(0, L - 1)
+        fp = [rng.randint(50, 150) << 20 for _ in range(L)]
+        budget = rng.randint(max(fp), sum(fp) + 1)
+        acc = step_accesses(L, first, [0.0] * L, [0.0] * L)
+        depth = rng.choice([0, 1, 2, L])
+        steps, warmup = 12, 2
+        p = sim.simulate(
+            acc, fp, budget, sim.Disk(rng.uniform(0.5e9, 3e9)), sim.Settings(depth), steps=steps, warmup=warmup
+        )
+        want = sim.min_pages_per_step(acc, fp, budget, steps, warmup)
+        tol = 1e-9 if depth == 0 else 1 / (steps - warmup) + 1e-9
+        assert p.pages_read == pytest.approx(want, abs=tol), (L, first, fp, budget, depth)
+
+
+def test_min_pages_per_step_of_a_plain_cycle():
+    # A cyclic order of n pages through k slots: MIN reads n(n-k)/(n-1) pages
+    # per sweep on average.
+    n, k = 6, 3
+    acc = [sim.Access((i,)) for i in range(n)]
+    assert sim.min_pages_per_step(acc, [1] * n, k, steps=30) == pytest.approx(n * (n - k) / (n - 1), abs=0.5)
+
+
+# ---------------------------------------------------------- the disk ----
+def test_a_lone_read_takes_its_bytes_over_the_rate():
+    # One page, no compute, budget for it alone: each step reads it again?
+    # No: it stays resident, so one read in all; its time is bytes / R.
+    acc = [sim.Access((0,), 0.0), sim.Access((1,), 0.0)]
+    fp = [100 << 20, 100 << 20]
+    p = sim.simulate(acc, fp, fp[0], sim.Disk(1e9, threads=4), sim.Settings(0), steps=3, warmup=1)
+    assert p.pages_read == 2
+    assert p.step_s == pytest.approx(2 * fp[0] / 1e9, rel=1e-6)
+    assert p.io_wait_s == pytest.approx(p.step_s, rel=1e-6)
+
+
+def test_reads_overlap_compute_when_the_budget_allows():
+    # Two pages used in turn, each held 1 s, each read 0.5 s: with room for
+    # both and readahead the steady state is pure compute.
+    acc = [sim.Access((0,), 1.0), sim.Access((1,), 1.0), sim.Access((2,), 1.0)]
+    fp = [500 << 20] * 3
+    R = fp[0] / 0.5
+    slow = sim.simulate(acc, fp, fp[0], sim.Disk(R), sim.Settings(0))
+    fast = sim.simulate(acc, fp, 2 * fp[0], sim.Disk(R), sim.Settings(1, "aggressive"))
+    assert slow.step_s == pytest.approx(4.5, rel=1e-6)
+    assert fast.step_s == pytest.approx(3.0, rel=1e-6)
+
+
+# ------------------------------------------------- the automatic choice ----
+def random_instance(rng):
+    L = rng.randint(3, 14)
+    first = rng.randint(0, L - 1)
+    page = rng.randint(20, 300) << 20
+    fp = [int(page * rng.uniform(0.9, 1.1)) for _ in range(L)]
+    k = rng.uniform(1.0, L * 0.8)
+    budget = max(max(fp), int(k * page))
+    R = rng.uniform(0.3e9, 4e9)
+    read_s = page / R
+    # Compute from a tenth of a read to ten reads per block; backward with
+    # recompute 2-3x the forward.
+    per = read_s * 10 ** rng.uniform(-1, 1)
+    fwd = [per * rng.uniform(0.8, 1.2) for _ in range(L)]
+    bwd = [f * rng.uniform(2, 3) for f in fwd]
+    acc = step_accesses(L, first, fwd, bwd, gap=per * rng.uniform(0, 2), head=per * rng.uniform(0, 1))
+    return acc, fp, budget, sim.Disk(R, threads=rng.choice([1, 2, 4, 8]))
+
+
+def test_chosen_readahead_is_within_5_percent_of_the_best():
+    rng = random.Random(9)
+    worst = 0.0
+    for _ in range(40):
+        acc, fp, budget, disk = random_instance(rng)
+        best = sim.best_settings(acc, fp, budget, disk)
+        chosen = sim.choose_readahead(acc, fp, budget, disk)
+        # Both within the bytes cap, the choice at most 5% slower.
+        mn = sim.min_bytes_per_step(acc, fp, budget)
+        assert chosen.bytes_read <= 1.1 * mn + 1
+        assert chosen.step_s <= 1.05 * best.step_s, (chosen.settings, best.settings)
+        worst = max(worst, chosen.step_s / best.step_s)
+    assert worst <= 1.05
+
+
+def test_the_choice_reads_more_only_where_it_pays():
+    # Compute-bound, with room: aggressive readahead hides every read; with
+    # no cap on extra reads it is chosen.
+    L = 6
+    acc = step_accesses(L, 3, [1.0] * L, [2.5] * L)
+    fp = [100 << 20] * L
+    free = sim.choose_readahead(acc, fp, 2 * fp[0], sim.Disk(1e9), max_extra=None)
+    capped = sim.choose_readahead(acc, fp, 2 * fp[0], sim.Disk(1e9), max_extra=0.0)
+    assert capped.bytes_read <= sim.min_bytes_per_step(acc, fp, 2 * fp[0]) + 1
+    assert free.step_s <= capped.step_s
+
+
+# ------------------------------------------------------ measured steps ----
+def test_accesses_from_marks_split_waits_gaps_and_the_tail():
+    M = sim.BlockMark
+    # 4 blocks, tail 2..3, backward 1..0; waits of 0.5 s before block 1.
+    marks = [
+        M("forward", 0, 10.3, 0.0),  # embedding 0.2 + block 0.1
+        M("forward", 1, 10.9, 0.5),  # 0.5 s waiting + 0.1
+        M("tail", 3, 11.9, 0.5),  # the tail's pages, 1.0 s
+        M("tail", 2, 11.9, 0.5),
+        M("backward", 1, 12.2, 0.5),
+        M("backward", 0, 12.5, 0.5),
+        M("eval", 0, 13.0, 0.5),  # not a training block
+    ]
+    acc = sim.accesses_from_marks(marks, start=(10.0, 0.0), end=(12.9, 0.5), page_of=[10, 11, 12, 13])
+    assert [a.pages for a in acc] == [(10,), (11,), (12, 13), (11,), (10,)]
+    assert [round(a.hold_s, 6) for a in acc] == [0.1, 0.1, 1.0, 0.3, 0.3]
+    # The optimizer update (0.4 s) and the embedding (0.2 s) before block 0.
+    assert acc[0].gap_s == pytest.approx(0.6)
+    assert sum(a.gap_s for a in acc[1:]) == 0
+
+
+def test_head_time_goes_to_the_first_backward_block_gap():
+    M = sim.BlockMark
+    marks = [M("forward", 0, 1.0, 0), M("forward", 1, 2.0, 0), M("backward", 1, 5.5, 0), M("backward", 0, 8.0, 0)]
+    acc = sim.accesses_from_marks(marks, (0.0, 0.0), (8.0, 0.0), [0, 1])
+    assert acc[2].hold_s == pytest.approx(2.5) and acc[2].gap_s == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------ the rate ----
+def test_read_rate_of_a_file(tmp_path):
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(range(256)) * (12 << 12))  # 12 MiB
+    r = measure_read_rate([str(f)], threads=2, chunk_bytes=1 << 20, batch_bytes=4 << 20)
+    assert r["bytes"] == 12 << 20 and r["bytes_per_s"] > 0 and r["direct"]
+    assert sim.read_rate_for_session([f], 4 << 20, 2) > 0
