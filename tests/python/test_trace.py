@@ -199,7 +199,7 @@ def test_plot_draws_one_step_of_the_trace(traced_run):
 
 
 class StopInStep(PagerCallback):
-    """Raises as a SIGINT would, in the backward pass of iteration 2."""
+    """Raises as a SIGINT would, after the forward pass of iteration 2."""
 
     def __init__(self):
         self.it = 0
@@ -208,7 +208,7 @@ class StopInStep(PagerCallback):
         self.it = iteration
 
     def on_block(self, weights, phase, block):
-        if self.it == 2 and phase == "backward":
+        if self.it == 2 and phase in ("tail", "backward"):
             raise interrupt.Interrupted(signal.SIGINT)
 
 
