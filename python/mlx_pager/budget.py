@@ -94,11 +94,16 @@ class MemoryPlan:
     activations: int
     slack: int
     max_page: int
+    margin: int = 0  # kept free: the governor acts when the process nears budget - margin
+
+    @property
+    def fixed_without_activations(self) -> int:
+        return self.baseline + self.resident + self.trainable + self.slack + self.margin
 
     @property
     def fixed(self) -> int:
         """Everything but the pages."""
-        return self.baseline + self.resident + self.trainable + self.activations + self.slack
+        return self.fixed_without_activations + self.activations
 
     @property
     def page_budget(self) -> int:
@@ -115,7 +120,7 @@ class MemoryPlan:
             f"(embeddings, norm, head) {format_size(self.resident)} + adapters and "
             f"optimizer state {format_size(self.trainable)} + activations "
             f"{format_size(self.activations)} + process {format_size(self.baseline)} "
-            f"+ slack {format_size(self.slack)}"
+            f"+ slack {format_size(self.slack + self.margin)}"
         )
 
     def check(self) -> None:
@@ -128,30 +133,3 @@ class MemoryPlan:
                 f"({self.breakdown()}). Raise it to {format_size(self.minimum * 1.05)} "
                 "or more, or lower --batch-size / --max-seq-length."
             )
-
-
-def estimate_activations(
-    config: dict,
-    batch_size: int,
-    seq_len: int,
-    micro_batches: int,
-    trained_blocks: int,
-    act_itemsize: int,
-    head_chunk_bytes: int,
-    largest_weight_elems: int,
-) -> int:
-    """A conservative estimate of activation memory for one step (bytes)."""
-    d = int(config.get("hidden_size", 4096))
-    f = int(config.get("intermediate_size", 4 * d))
-    heads = int(config.get("num_attention_heads", 32))
-    bt = batch_size * seq_len
-    checkpoints = micro_batches * (trained_blocks + 2) * bt * d * act_itemsize
-    # One block's forward + vector-Jacobian product, in float32 at worst:
-    # ~16 hidden-sized and ~6 MLP-sized temporaries, attention scores and
-    # their gradient, and an unquantized (f32) copy of the largest weight
-    # for backends that upcast or dequantize.
-    block = bt * (16 * d + 6 * f) * 4 + 3 * batch_size * heads * seq_len * seq_len * 4
-    weights = 2 * largest_weight_elems * 4
-    vocab = int(config.get("vocab_size", 32000))
-    head = 4 * min(head_chunk_bytes, bt * vocab * 4)  # logits, softmax, grads
-    return checkpoints + block + weights + head

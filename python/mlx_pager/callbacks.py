@@ -15,6 +15,7 @@ own with no-op defaults:
                                stats: the pager's counters its record counts from
   on_block(weights, phase, i)  after each block of a sweep (memory traces)
   on_update_begin() / on_update_end()  around the optimizer update
+  on_governor(rung)            the memory governor took a rung of its ladder
   on_session(session)          the paged session is open (its plan, governor)
   on_save(path, iteration)     a checkpoint or the final adapters were written
   on_message(text)             a line for the user
@@ -54,6 +55,9 @@ class PagerCallback(TrainingCallback):
         pass
 
     def on_update_end(self):
+        pass
+
+    def on_governor(self, rung: dict):
         pass
 
     def on_session(self, session):
@@ -121,6 +125,9 @@ class Callbacks(PagerCallback):
     def on_update_end(self):
         self._each("on_update_end")
 
+    def on_governor(self, rung):
+        self._each("on_governor", rung)
+
     def on_session(self, session):
         self._each("on_session", session)
 
@@ -176,6 +183,9 @@ class JsonReport(PagerCallback):
 
     def on_val_loss_report(self, info):
         self._write({"type": "val", **info})
+
+    def on_governor(self, rung):
+        self._write({"type": "governor", "t": time.perf_counter() - self.t0, **rung})
 
     def on_block(self, weights, phase, block):
         s = weights.pager.stats()
@@ -256,6 +266,10 @@ class ConsoleReport(PagerCallback):
             f"  [ui.muted]{info['iteration'] + 1:>4}[/ui.muted]    [ui.accent]val[/ui.accent] "
             f"[ui.strong]{info['val_loss']:>5.3f}[/ui.strong]    [ui.muted]{info['val_time']:.2f}s[/ui.muted]"
         )
+
+    def on_governor(self, rung):
+        if rung["rung"] != "cache":  # freeing MLX's cache is routine
+            self.console.print(f"  [ui.warn]memory[/ui.warn]  {rung['what']}", highlight=False)
 
     def on_save(self, path, iteration):
         if iteration is not None:

@@ -1,14 +1,22 @@
-"""The memory governor: keeps the process under its budget while it trains.
+"""The memory governor: keeps the process under its budget while it runs.
 
-The plan (budget.py) is an estimate; the governor watches what the process
-really uses (resident set size, which is what a cgroup or the OS charges)
-after every block, and degrades instead of letting the process be killed:
+The plan (budget.py, placement.py) is a prediction; the governor watches
+what the process really uses (resident set size, which is what a cgroup or
+the OS charges) after every block and, when it nears the budget, climbs a
+ladder of remedies, cheapest first, the way an OS reclaims before it kills:
 
-  1. free MLX's buffer cache (memory MLX keeps for reuse);
-  2. shrink the page budget: evicts pages nobody holds, and readahead,
-     bounded by the page budget, reads less ahead;
-  3. if even one block page no longer fits, stop with an error that says how
-     much memory the run needs.
+  1. cache        free MLX's buffer cache (memory MLX keeps for reuse);
+  2. readahead    stop reading ahead (no new frames for pages not yet due);
+  3. page budget  shrink the page budget: evicts pages nobody holds;
+  4. (training)   raise MemoryPressure: the step is abandoned and run again
+                  with a placement that needs less (loop.py): a shorter
+                  no-recompute tail, then the batch split into more parts;
+  5. stop         nothing smaller fits: the run saves its adapters and stops,
+                  naming the budget that would fit.
+
+Every rung taken is recorded (``rungs``: what, when, the RSS) and shown by
+``--report`` and ``mlx-pager plot``. ``lower_budget`` lowers the budget of
+a running process (the test hook that forces each rung).
 
 It also caps MLX's own buffer cache and memory limit at the start, and
 (on glibc) makes freed large buffers go back to the OS at once.
@@ -20,7 +28,7 @@ import ctypes
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import List
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 
@@ -36,6 +44,31 @@ def process_rss() -> int:
         import psutil
 
         return psutil.Process().memory_info().rss
+
+
+def reset_peak_rss() -> None:
+    """Restarts the kernel's count of this process's peak RSS (VmHWM), where
+    the OS allows it (Linux: /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    """The process's peak RSS since it started or since reset_peak_rss: the
+    kernel's own high-water mark, which also sees the peaks between the
+    governor's samples (inside the tail segment's one graph). Where the OS
+    has none, the RSS now."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return process_rss()
 
 
 def return_freed_memory_to_os(threshold: int = 256 << 10) -> bool:
@@ -66,31 +99,73 @@ def release_heap() -> None:
             pass  # not glibc
 
 
+class MemoryPressure(BudgetError):
+    """The process is over its budget and the page budget cannot shrink
+    further: the step in progress must be run with less memory, or the run
+    must stop. `over`: bytes over the governor's limit."""
+
+    def __init__(self, message: str, rss: int, over: int):
+        super().__init__(message)
+        self.rss, self.over = rss, over
+
+
 @dataclass
 class Governor:
     plan: MemoryPlan
     pager: object  # mlx_pager.Pager
     pinned_bytes: int  # charged to the pager outside the page budget
     margin: int = 0
-    events: List[str] = field(default_factory=list)
+    events: List[str] = field(default_factory=list)  # each rung, in words
+    rungs: List[dict] = field(default_factory=list)  # each rung: {"rung", "rss_bytes", ...}
     peak_rss: int = 0
+    on_rung: Optional[Callable[[dict], None]] = None  # told of each rung as it is taken
+    min_page_budget: int = 0  # the pages the current placement must hold together
+    _readahead_off: bool = False
 
     def __post_init__(self):
         if self.margin == 0:
-            self.margin = max(16 << 20, self.plan.budget // 50)
+            self.margin = self.plan.margin or self.margin_for(self.plan.budget)
         # MLX's cache of freed buffers: room to recycle a page frame, so that
         # the next read lands in memory already mapped (see the plan's slack).
         mx.set_cache_limit(int(self.plan.slack))
         mx.set_memory_limit(int(self.plan.budget))
         self.pager.set_budget(int(self.pinned_bytes + self.plan.page_budget))
 
+    @staticmethod
+    def margin_for(budget: int) -> int:
+        """What the governor keeps free below the budget."""
+        return max(16 << 20, int(budget) // 50)
+
     @property
     def page_budget(self) -> int:
         """The page budget now (the plan's, less what the governor took)."""
         return int(self.pager.budget - self.pinned_bytes)
 
+    def set_page_budget(self, page_budget: int) -> None:
+        self.pager.set_budget(int(self.pinned_bytes + max(0, page_budget)))
+
+    def lower_budget(self, budget: int) -> None:
+        """The process's budget is now `budget` (a test hook, or a user who
+        needs memory back): the governor acts on it from its next check."""
+        self.plan.budget = int(budget)
+        self.margin = self.margin_for(budget)
+        mx.set_memory_limit(int(budget))
+        self._rung("budget", process_rss(), f"budget lowered to {format_size(budget)}")
+
+    def _rung(self, rung: str, rss: int, what: str, **info) -> None:
+        rec = {"rung": rung, "rss_bytes": int(rss), "what": what, **info}
+        self.rungs.append(rec)
+        self.events.append(what)
+        if self.on_rung is not None:
+            self.on_rung(rec)
+
+    def record(self, rung: str, what: str, **info) -> None:
+        """A rung taken by the loop (a new placement, a stop)."""
+        self._rung(rung, process_rss(), what, **info)
+
     def check(self) -> None:
-        """Call between blocks. Degrades when the process is near its budget."""
+        """Call between blocks. Degrades when the process is near its budget;
+        raises MemoryPressure when the pages cannot give back enough."""
         rss = process_rss()
         self.peak_rss = max(self.peak_rss, rss)
         limit = self.plan.budget - self.margin
@@ -99,20 +174,31 @@ class Governor:
         mx.clear_cache()
         rss = process_rss()
         if rss <= limit:
-            self.events.append(f"cleared MLX cache at {format_size(rss)}")
+            self._rung("cache", rss, f"cleared MLX cache at {format_size(rss)}")
             return
+        set_readahead = getattr(self.pager, "set_readahead", None)
+        if set_readahead is not None and not self._readahead_off:
+            self._readahead_off = True
+            if set_readahead(0) > 0:
+                self._rung("readahead", rss, f"process at {format_size(rss)}: readahead off")
         over = rss - limit
-        page_budget = self.pager.budget - self.pinned_bytes
-        new = page_budget - over
-        if new < self.plan.max_page:
-            raise BudgetError(
-                f"the process uses {format_size(rss)}, over its --memory-budget of "
-                f"{format_size(self.plan.budget)}, and one block page "
-                f"({format_size(self.plan.max_page)}) no longer fits beside it. "
-                f"Raise --memory-budget to at least {format_size(rss + self.plan.max_page)}, "
-                "or lower --batch-size / --max-seq-length."
+        page_budget = self.page_budget
+        floor = max(self.plan.max_page, self.min_page_budget)
+        new = max(floor, page_budget - over)
+        if new < page_budget:
+            self.set_page_budget(new)
+            mx.clear_cache()
+            self._rung(
+                "page_budget",
+                rss,
+                f"process at {format_size(rss)}: page budget {format_size(page_budget)} -> {format_size(new)}",
             )
-        self.pager.set_budget(int(self.pinned_bytes + new))
-        self.events.append(
-            f"process at {format_size(rss)}: page budget {format_size(page_budget)} -> {format_size(new)}"
+            return  # evicted pages are freed as the blocks using them finish
+        raise MemoryPressure(
+            f"the process uses {format_size(rss)}, over its --memory-budget of "
+            f"{format_size(self.plan.budget)}, with the page budget at its least. "
+            f"Raise --memory-budget to at least {format_size(rss + self.margin + self.plan.max_page)}, "
+            "or lower --batch-size / --max-seq-length.",
+            rss,
+            over,
         )

@@ -22,11 +22,11 @@ import mlx.core as mx
 from mlx.nn.utils import average_gradients
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import files, interrupt, resume, step
+from . import files, interrupt, placement, resume, step
 from ._core import PageReadError
 from .budget import BudgetError
 from .callbacks import PagerCallback
-from .governor import process_rss
+from .governor import MemoryPressure, peak_rss, process_rss, release_heap, reset_peak_rss
 from .session import Session
 
 
@@ -47,13 +47,14 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     for i, b in enumerate(it):
         if num_batches != -1 and i >= num_batches:
             break
-        batches.append(step.MicroBatch.from_batch(*b))
+        # Split as training splits them; each part weighted by its own tokens.
+        batches.extend(step.split_batch(*b, s.parts, shared_norm=False))
     s.use_forward_schedule()
     all_losses, ntokens = mx.array(0.0), mx.array(0)
-    # Layer-major in groups: one sweep over the blocks serves a whole group.
-    # Forward-only keeps no checkpoints, so a group of 8 fits the plan made
-    # for training's grad_accumulation_steps micro-batches.
-    group = max(8, args.grad_accumulation_steps)
+    # Layer-major in groups: one sweep over the blocks serves a whole group,
+    # as many batches as the activations the plan reserves hold (each keeps
+    # its hidden state and the next block's output), at most 8.
+    group = s.eval_group()
 
     def check_block(phase, i):
         interrupt.check()
@@ -158,6 +159,64 @@ class _Reports:
         return info
 
 
+def _value_and_grad(s: Session, group, on_block, it: int):
+    """The step's losses and token counts per batch of `group`, the summed
+    gradients, and what the step measured (step.paged_value_and_grad's
+    probe, plus the placement it ran with and the peak that predicted).
+
+    Each batch is split into the placement's parts. When the governor finds
+    the step does not fit (MemoryPressure: its cheaper rungs did not free
+    enough), the step is abandoned (nothing was updated) and run again with
+    a placement that needs less: a shorter no-recompute tail, or the batch
+    in more parts. With nothing smaller left, the run stops (BudgetError)."""
+    while True:
+        p = s.placement
+        owner, mbs = [], []
+        for g, b in enumerate(group):
+            parts = step.split_batch(*b, p.parts)
+            mbs.extend(parts)
+            owner.extend([g] * len(parts))
+        probe = {}
+        try:
+            losses, toks, grads = step.paged_value_and_grad(
+                s.model,
+                s.weights,
+                mbs,
+                s.args.head_chunk_bytes,
+                on_block=on_block,
+                blocks=s.blocks,
+                tail_start=p.tail_start,
+                probe=probe,
+            )
+            break
+        except MemoryPressure as e:
+            del mbs
+            release_heap()
+            if not s.replan(probe, smaller=True):
+                s.gov.record("stop", f"iteration {it}: nothing that needs less memory is left", iteration=it)
+                raise BudgetError(
+                    f"{e} Every placement that needs less was tried (every block recomputed, "
+                    f"the batch split into {s.placement.parts} part(s))."
+                ) from None
+            q = s.placement
+            rung = "split" if q.parts > p.parts else "recompute"
+            s.gov.record(
+                rung,
+                f"iteration {it} did not fit: running it again with {placement.describe(q, len(s.model.layers))}",
+                iteration=it,
+                tail_start=q.tail_start,
+                parts=q.parts,
+            )
+    probe["placement"] = p
+    probe["predicted_peak"] = s.predicted_peak(p)
+    if len(mbs) == len(group):
+        return losses, toks, grads, probe
+    # Parts of one batch add up to it (each was divided by the batch's tokens).
+    batch_losses = [sum((l for l, o in zip(losses, owner) if o == g), mx.array(0.0)) for g in range(len(group))]
+    batch_toks = [sum((t for t, o in zip(toks, owner) if o == g), mx.array(0)) for g in range(len(group))]
+    return batch_losses, batch_toks, grads, probe
+
+
 # What ends a run mid-step, after the last finished step is saved.
 STOPS = (interrupt.Interrupted, BudgetError, PageReadError)
 
@@ -259,25 +318,11 @@ def train(
             before = pager.stats()
             cb.on_step_begin(it, before)
             mx.reset_peak_memory()
+            reset_peak_rss()
             tic = time.perf_counter()
-            mbs = [step.MicroBatch.from_batch(*b) for b in group]
-            # No recompute where memory allows: the first step measures one
-            # block's activations, later steps run the blocks that fit as one
-            # segment (segment.py).
-            probe = {} if s.block_act_bytes is None and s.first_trained < len(model.layers) else None
-            step_losses, step_toks, grads = step.paged_value_and_grad(
-                model,
-                weights,
-                mbs,
-                args.head_chunk_bytes,
-                on_block=on_block,
-                blocks=s.blocks,
-                tail_start=s.tail_start,
-                probe=probe,
-            )
-            if probe:
-                s.block_act_bytes = probe["block_act_bytes"]  # the tail runs one micro-batch at a time
-            s.plan_tail(max(mb.inputs.shape[0] for mb in mbs))
+            step_losses, step_toks, grads, probe = _value_and_grad(s, group, on_block, it)
+            # The next step's placement, from what this one measured.
+            s.replan(probe)
             losses = [x.item() for x in step_losses]
             toks = [int(t.item()) for t in step_toks]
             update = len(group) == k  # a partial last group updates nothing, as in mlx-lm
@@ -298,6 +343,8 @@ def train(
             _clear_cache(args.clear_cache_threshold)
             elapsed = time.perf_counter() - tic
             after = pager.stats()
+            step_peak = max(peak_rss(), process_rss())
+            gov.peak_rss = max(gov.peak_rss, step_peak)
             rec = {
                 "type": "step",
                 "iteration": it,
@@ -314,9 +361,15 @@ def train(
                 # checksum, pages rewritten from the model's files.
                 **{k: after[k] - before[k] for k in ("io_retries", "checksum_errors", "pages_rebuilt")},
                 "peak_resident_bytes": after["peak_resident_bytes"],
-                "mlx_peak_bytes": mx.get_peak_memory(),
+                "mlx_peak_bytes": max(probe.get("peak", 0), mx.get_peak_memory()),
                 "rss_bytes": process_rss(),
-                "peak_rss_bytes": gov.peak_rss,
+                "peak_rss_bytes": gov.peak_rss,  # of the run so far
+                "step_peak_rss_bytes": step_peak,  # of this step (the kernel's high-water mark)
+                # The placement this step ran with, and the peak it predicted.
+                "tail_start": probe["placement"].tail_start,
+                "recomputed_blocks": probe["placement"].recomputed,
+                "batch_parts": probe["placement"].parts,
+                "predicted_peak_bytes": probe["predicted_peak"],
             }
             result.steps.append(rec)
             cb.on_step(rec)

@@ -14,13 +14,13 @@ computes them in one graph, as mlx-lm's own value_and_grad does over the
 whole model. The backward sweep then walks s-1 .. first with recompute, as
 before. With s = first (a budget that holds every trained block) a step does
 mlx-lm's arithmetic with no recompute at all, and the results are the same
-bits. ``choose_start`` picks the smallest s that fits, from the page
-footprints and a measured size of one block's activations.
+bits. placement.py picks s for the budget, from the page footprints and
+the activations steps measured.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +37,7 @@ def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: 
         step._head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
         for t0, t1 in step.head_chunks(h.shape[1], h.shape[0], step._vocab_size(model), chunk_bytes)
     ]
-    return step._concat(parts).astype(mx.float32).sum() / mb.ntoks
+    return step._concat(parts).astype(mx.float32).sum() / mb.norm
 
 
 def tail_value_and_grad(
@@ -101,25 +101,3 @@ class Tail:
 
     def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int):
         return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes)
-
-
-def head_bytes(batch: int, seq_len: int, vocab: int) -> int:
-    """What the head's autodiff graph keeps for a whole micro-batch: the
-    float32 logits, their softmax and its gradient."""
-    return 3 * batch * seq_len * vocab * 4
-
-
-def choose_start(
-    first: int, footprints: List[int], page_budget: int, block_act_bytes: int, head_act_bytes: int, act_budget: int
-) -> int:
-    """The smallest s >= first such that the pages of blocks s..L-1 fit in
-    the page budget together, and the pages plus the tail's activations (one
-    measured block's worth per block, plus the head's) fit in the page and
-    activation budgets together. Returns L (no tail) when nothing fits."""
-    L = len(footprints)
-    for s in range(first, L):
-        pages = sum(footprints[s:])
-        acts = (L - s) * block_act_bytes + head_act_bytes
-        if pages <= page_budget and pages + acts <= page_budget + act_budget:
-            return s
-    return L

@@ -27,8 +27,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import step, swapcache
-from .budget import BudgetError, MemoryPlan, estimate_activations, format_size, parse_size
+from . import placement, step, swapcache
+from .budget import BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
 from .store import PagedWeights
 
@@ -40,8 +40,6 @@ _OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1, "adafactor": 2}
 # rounding: the slack is at least this, and at least one page + this margin.
 _MIN_SLACK = 48 << 20
 _SLACK_MARGIN = 16 << 20
-# Of a user's budget, at least this fraction is kept as slack.
-_SLACK_FRACTION = 1 / 20
 
 
 def plan_slack(max_page: int) -> int:
@@ -103,10 +101,23 @@ class Session:
     first_trained: int
     page_footprints: List[int]
     seq_len: int  # the longest padded batch the data can make
-    # Blocks tail_start..L-1 run as one no-recompute segment (segment.py);
-    # L: none. Chosen by the loop from a measured block (plan_tail).
-    tail_start: int = 0
-    block_act_bytes: Optional[int] = None
+    # How the step spends its activation memory (placement.py): blocks
+    # tail_start..L-1 run as one no-recompute segment (L: none), each batch
+    # in `parts` micro-batches. Re-planned after every step from what it
+    # measured (replan).
+    sizes: Optional[placement.Sizes] = None
+    shape: Optional[placement.Step] = None
+    placement: Optional[placement.Placement] = None
+    page_cap: Optional[int] = None  # --page-budget: pages never get more
+    ceiling: Optional[placement.Placement] = None  # set by the ladder (replan)
+
+    @property
+    def tail_start(self) -> int:
+        return self.placement.tail_start if self.placement is not None else len(self.model.layers)
+
+    @property
+    def parts(self) -> int:
+        return self.placement.parts if self.placement is not None else 1
 
     def use_step_schedule(self):
         """The pager's access order: a training step (forward, then backward
@@ -114,32 +125,93 @@ class Session:
         order = step.step_schedule(len(self.model.layers), self.first_trained, self.tail_start)
         self.weights.pager.set_schedule([self.weights.page_ids[i] for i in order])
 
-    def plan_tail(self, batch_size: int) -> int:
-        """The tail segment's start for the budget as it is now, from the
-        measured activations of one block (none measured yet, or a governor
-        that had to degrade: no tail). Sets the schedule when it changes."""
-        from . import segment
+    @property
+    def pool(self) -> int:
+        """What the budget leaves for pages and activations."""
+        return self.plan.budget - self.plan.fixed_without_activations
 
-        L = len(self.model.layers)
-        start = L
-        if self.block_act_bytes is not None and not self.gov.events:
-            head = segment.head_bytes(batch_size, self.seq_len, step._vocab_size(self.model))
-            start = segment.choose_start(
-                self.first_trained,
-                self.page_footprints,
-                self.gov.page_budget,
-                self.block_act_bytes,
-                head,
-                self.plan.activations,
-            )
-        if start != self.tail_start:
-            self.tail_start = start
+    def place(self, p: "placement.Placement") -> None:
+        """Uses placement `p` from the next step on: the activations it
+        reserves leave the rest of the pool to the pages (readahead and
+        caching use them)."""
+        old = self.placement
+        self.placement = p
+        self.plan.activations = p.activations
+        page_budget = self.plan.page_budget if self.page_cap is None else min(self.page_cap, self.plan.page_budget)
+        self.gov.set_page_budget(page_budget)
+        self.gov.min_page_budget = p.pages
+        if old is None or old.tail_start != p.tail_start:
             self.use_step_schedule()
-        return start
+
+    def replan(self, probe: Optional[dict] = None, smaller: bool = False) -> bool:
+        """Takes in a step's measurements and picks the placement for the
+        next one; `smaller`: one that needs less memory than the current one
+        (a step did not fit; the run never goes back above it). Returns
+        False when nothing fits."""
+        if probe:
+            self.sizes.learn(probe)
+        p = placement.choose(
+            self.shape,
+            self.sizes,
+            self.pool,
+            self.page_cap,
+            at_most=self.placement if smaller else None,
+            ceiling=self.ceiling,
+        )
+        if p is None:
+            return False
+        if smaller:
+            self.ceiling = p
+        if p != self.placement:
+            self.place(p)
+        return True
+
+    def predicted_peak(self, p: Optional["placement.Placement"] = None) -> int:
+        """The process's peak as the plan predicts it for placement `p` (the
+        current one): everything fixed, the activations, and the pages
+        (the pager fills its budget with pages it may need again, up to all
+        of them)."""
+        p = p or self.placement
+        pages = max(p.pages, min(self.gov.page_budget, sum(self.shape.footprints)))
+        return self.plan.fixed_without_activations - self.plan.margin + p.activations + pages
+
+    def eval_group(self) -> int:
+        """Micro-batches a forward-only sweep can carry together in the
+        activations reserved: each keeps its hidden state and the next
+        block's output, besides one block's working set. At most 8 batches'
+        worth."""
+        rows = -(-self.args.batch_size // self.parts)
+        per = 2 * self.sizes.checkpoint(rows, self.seq_len)
+        room = self.plan.activations - self.sizes.block(rows, self.seq_len)
+        most = max(8, self.args.grad_accumulation_steps) * self.parts
+        return int(max(1, min(most, room // max(1, per))))
 
     def use_forward_schedule(self):
         """The pager's access order: forward sweeps only (evaluation)."""
         self.weights.pager.set_schedule(list(self.weights.page_ids))
+
+
+def estimate_sizes(
+    config: dict, seq_len: int, act_itemsize: int, head_chunk_bytes: int, largest_weight_elems: int
+) -> placement.Sizes:
+    """What the planner assumes before a step has measured anything: a
+    conservative formula for one block's forward + vjp in float32 (~16
+    hidden-sized and ~6 MLP-sized temporaries per token, the attention
+    scores and their gradient), and an unquantized copy of the largest
+    weight for backends that dequantize."""
+    d = int(config.get("hidden_size", 4096))
+    f = int(config.get("intermediate_size", 4 * d))
+    heads = int(config.get("num_attention_heads", 32))
+    per_token = (16 * d + 6 * f) * 4 + 3 * heads * seq_len * 4
+    return placement.Sizes(
+        hidden=d,
+        itemsize=act_itemsize,
+        vocab=int(config.get("vocab_size", 32000)),
+        block_per_token=per_token,
+        block_len=seq_len,
+        block_fixed=2 * largest_weight_elems * 4,
+        head_chunk_bytes=head_chunk_bytes,
+    )
 
 
 def trainable_state_bytes(model, optimizer: str, training: bool = True) -> int:
@@ -238,35 +310,45 @@ def open_session(
     seq_len = longest_batch(args.max_seq_length, datasets)
     max_page = weights.max_page_bytes + IO_ALIGN
     slack = plan_slack(max_page)
-    if args.page_budget is None:
-        slack = max(slack, int(plan_budget * _SLACK_FRACTION))
-    # Forward-only evaluation keeps no checkpoints; training keeps one per
-    # trained block and micro-batch.
-    trained = len(model.layers) - first if training else 0
+    L = len(model.layers)
+    # Forward-only evaluation keeps no checkpoints: plan it as a step with
+    # no trained block.
+    shape = placement.Step(
+        num_blocks=L,
+        first_trained=first if training else L,
+        footprints=[weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)],
+        rows=args.batch_size,
+        length=seq_len,
+        # evaluation sweeps groups of up to 8 batches together (loop.evaluate)
+        batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
+    )
+    sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes, _largest_weight_elems(weights))
     plan = MemoryPlan(
         budget=plan_budget,
         baseline=baseline,
         resident=weights.resident_bytes + IO_ALIGN,
         trainable=trainable_state_bytes(model, args.optimizer.lower(), training),
-        activations=estimate_activations(
-            config,
-            args.batch_size,
-            seq_len,
-            args.grad_accumulation_steps,
-            trained,
-            act_itemsize,
-            args.head_chunk_bytes,
-            _largest_weight_elems(weights),
-        ),
+        activations=0,
         slack=slack,
         max_page=max_page,
+        margin=Governor.margin_for(plan_budget),
     )
+    page_cap = None
     if args.page_budget is not None:
-        plan.budget = plan.fixed + int(args.page_budget)
+        # Benchmarks and tests: exactly this many bytes of pages, besides
+        # activations for recomputing every block (the memory budget follows).
+        page_cap = int(args.page_budget)
+        plan.activations = placement.evaluate(shape, sizes, L, 1).activations
+        plan.budget = plan.fixed + page_cap
+        plan.margin = Governor.margin_for(plan.budget)
+        plan.budget = plan.fixed + page_cap
         budget_error = None
+    least = placement.smallest(shape, sizes)
+    plan.activations = least.activations
     if budget_error is not None:
         raise BudgetError(f"{budget_error} This run needs at least {format_size(plan.minimum)} ({plan.breakdown()}).")
     plan.check()
+    first_placement = placement.choose(shape, sizes, plan.budget - plan.fixed_without_activations, page_cap)
     gov = Governor(plan, weights.pager, pinned_bytes=weights.resident_bytes + IO_ALIGN)
     weights.pin_resident()
     if training and args.fine_tune_type == "dora":
@@ -280,21 +362,23 @@ def open_session(
         gov=gov,
         blocks=step.Blocks(model),
         first_trained=first,
-        page_footprints=[weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)],
+        page_footprints=shape.footprints,
         seq_len=seq_len,
-        tail_start=len(model.layers),
+        sizes=sizes,
+        shape=shape,
+        page_cap=page_cap,
     )
-    if training:
-        session.use_step_schedule()
-    else:
+    session.place(first_placement or least)
+    if not training:
         session.use_forward_schedule()
 
     say(
         f"Model: {len(model.layers)} blocks, {format_size(weights.paged_bytes)} paged "
         f"({'/'.join(sorted(set(weights.store_kind)))}), "
         f"{format_size(weights.resident_bytes)} resident. Budget {format_size(plan.budget)}: "
-        f"pages {format_size(plan.page_budget)} (~{plan.page_budget / plan.max_page:.1f} blocks), "
-        f"fixed {format_size(plan.fixed)}."
+        f"pages {format_size(gov.page_budget)} (~{gov.page_budget / plan.max_page:.1f} blocks), "
+        f"activations {format_size(plan.activations)} ({placement.describe(session.placement, L)}), "
+        f"fixed {format_size(plan.fixed_without_activations)}."
     )
     io = weights.pager.stats()
     if io["buffered_files"]:

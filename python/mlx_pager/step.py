@@ -183,12 +183,32 @@ def keyed_dropout(layer: nn.Module, key: Optional[mx.array]):
 
 @dataclass
 class MicroBatch:
+    """Rows of one batch, as they go through the blocks together. A batch
+    too big for the budget is split into several (split_batch); each part's
+    loss is divided by the token count of its whole batch (`norm`), so that
+    the parts' losses and gradients sum to the batch's, as gradient
+    accumulation weights them by tokens."""
+
     inputs: mx.array  # (B, T) token ids, batch[:, :-1]
     targets: mx.array  # (B, T), batch[:, 1:]
     mask: mx.array  # (B, T) bool, as default_loss builds it
     ntoks: mx.array  # scalar int32, mask.sum()
     h0: mx.array = None
     calls: list = field(default_factory=list)  # (args, kwargs) per block
+    norm: mx.array = None  # the whole batch's token count (ntoks when unsplit)
+
+    def __post_init__(self):
+        if self.norm is None:
+            self.norm = self.ntoks
+
+    @property
+    def rows(self) -> int:
+        return int(self.inputs.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """Positions the blocks compute (rows x padded length)."""
+        return int(self.inputs.shape[0] * self.inputs.shape[1])
 
     def record(self, model: nn.Module) -> None:
         """Fills h0 and calls (record_calls)."""
@@ -201,6 +221,28 @@ class MicroBatch:
         steps = mx.arange(1, targets.shape[1] + 1)
         mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
         return MicroBatch(inputs, targets, mask, mask.sum())
+
+
+def split_batch(batch: mx.array, lengths: mx.array, parts: int, shared_norm: bool = True) -> List[MicroBatch]:
+    """The batch as `parts` micro-batches of consecutive rows (fewer when it
+    has fewer rows), each normalised by the whole batch's token count: their
+    losses and gradients add up to the batch's (default_loss's) up to float
+    rounding. parts=1: the batch itself, exactly as mlx-lm computes it.
+    shared_norm=False (evaluation, which weights each loss by its own
+    tokens): each part is normalised by its own token count."""
+    whole = MicroBatch.from_batch(batch, lengths)
+    rows = batch.shape[0]
+    parts = max(1, min(parts, rows))
+    if parts == 1:
+        return [whole]
+    size = -(-rows // parts)
+    out = []
+    for r in range(0, rows, size):
+        mb = MicroBatch.from_batch(batch[r : r + size], lengths[r : r + size])
+        if shared_norm:
+            mb.norm = whole.ntoks
+        out.append(mb)
+    return out
 
 
 def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = False, **kwargs):
@@ -295,14 +337,14 @@ def head_loss_and_grad(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_byte
 
         def chunk_loss(hc, inputs=inputs, targets=targets, mask=mask):
             ce = _head_ce(model, inputs, targets, mask, hc)
-            return ce.astype(mx.float32).sum() / mb.ntoks, ce
+            return ce.astype(mx.float32).sum() / mb.norm, ce
 
         (_, ce), g = mx.value_and_grad(chunk_loss)(h[:, t0:t1])
         mx.eval(ce, g)
         ce_parts.append(ce)
         grad_parts.append(g)
     # Summed over all tokens at once, exactly as default_loss sums them.
-    return _concat(ce_parts).astype(mx.float32).sum() / mb.ntoks, _concat(grad_parts)
+    return _concat(ce_parts).astype(mx.float32).sum() / mb.norm, _concat(grad_parts)
 
 
 def head_loss(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -> mx.array:
@@ -312,7 +354,7 @@ def head_loss(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -
         ce = _head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
         mx.eval(ce)
         ce_parts.append(ce)
-    loss = _concat(ce_parts).astype(mx.float32).sum() / mb.ntoks
+    loss = _concat(ce_parts).astype(mx.float32).sum() / mb.norm
     mx.eval(loss)
     return loss
 
@@ -495,9 +537,17 @@ def paged_value_and_grad(
     compiled block functions from one step to the next. `tail_start` = s:
     blocks s..L-1 and the head run as one segment, forward and backward in
     one vjp with their pages bound together, no recompute (segment.py);
-    None or L: every trained block is checkpointed and recomputed. `probe`:
-    an empty dict gets "block_act_bytes", MLX's peak memory for one trained
-    block's forward + vjp on the first micro-batch (it resets MLX's peak).
+    None or L: every trained block is checkpointed and recomputed.
+
+    `probe` (a dict) gets what this step measured, for the placement
+    planner (placement.py), from MLX's peak-memory counter (which it
+    resets; "peak" keeps the step's overall MLX peak):
+      "block": (bytes, rows, length) of one recomputed block's forward +
+               vjp on the first micro-batch (its rows and padded length),
+               over the memory active before it;
+      "tail":  (bytes, blocks, rows, length) of the tail segment's vjp on
+               the first micro-batch, likewise;
+      "peak":  MLX's peak memory over the step.
     """
     L = len(model.layers)
     first = first_trained_block(model)
@@ -518,8 +568,13 @@ def paged_value_and_grad(
         with weights.bound(i):
             if i >= first:
                 saved[i] = hs
-            hs = [blocks.forward(i, h, mb.calls[i], keys[i][m]) for m, (h, mb) in enumerate(zip(hs, micro_batches))]
-            mx.eval(hs)
+            # One micro-batch at a time: a batch split to fit keeps one
+            # part's working set in memory, not all of them.
+            out = []
+            for m, (h, mb) in enumerate(zip(hs, micro_batches)):
+                out.append(blocks.forward(i, h, mb.calls[i], keys[i][m]))
+                mx.eval(out[-1])
+            hs = out
         if on_block is not None:
             on_block("forward", i)
 
@@ -536,12 +591,15 @@ def paged_value_and_grad(
         with weights.bound(*range(s_tail, L)):
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
+                base = _measure_start(probe) if m == 0 else None
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
                     s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes
                 )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
                 mx.eval(loss, tail_grads, [] if g_h is None else g_h)
+                if base is not None:
+                    probe["tail"] = (_measure_end(probe, base), L - s_tail, mb.rows, int(h.shape[1]))
                 losses.append(loss)
                 ntoks.append(mb.ntoks)
                 cots.append(g_h)
@@ -562,14 +620,11 @@ def paged_value_and_grad(
         with weights.bound(i):
             new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(saved.pop(i), micro_batches)):
-                measure = probe is not None and not probe and m == 0
-                if measure:
-                    base = mx.get_active_memory()
-                    mx.reset_peak_memory()
+                base = _measure_start(probe) if m == 0 and i == s_tail - 1 else None
                 g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m])
-                if measure:
+                if base is not None:
                     mx.eval(g_h, g_p)
-                    probe["block_act_bytes"] = max(0, mx.get_peak_memory() - base)
+                    probe["block"] = (_measure_end(probe, base), mb.rows, int(h.shape[1]))
                 new_cots.append(g_h)
                 add(block_grads, i, g_p)
             cots = new_cots
@@ -577,7 +632,25 @@ def paged_value_and_grad(
             grads.update(block_grads)
         if on_block is not None:
             on_block("backward", i)
+    if probe is not None:
+        probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
     return losses, ntoks, grads
+
+
+def _measure_start(probe: Optional[dict]) -> Optional[int]:
+    """Starts measuring a peak: MLX's active memory now (None: no probe).
+    The step's peak so far is kept in probe["peak"] before the reset."""
+    if probe is None:
+        return None
+    probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
+    mx.reset_peak_memory()
+    return mx.get_active_memory()
+
+
+def _measure_end(probe: dict, base: int) -> int:
+    peak = mx.get_peak_memory()
+    probe["peak"] = max(probe.get("peak", 0), peak)
+    return max(0, peak - base)
 
 
 def paged_loss(
@@ -596,8 +669,11 @@ def paged_loss(
     hs = [mb.h0 for mb in micro_batches]
     for i in range(L):
         with weights.bound(i):
-            hs = [blocks.forward(i, h, mb.calls[i]) for h, mb in zip(hs, micro_batches)]
-            mx.eval(hs)
+            out = []
+            for h, mb in zip(hs, micro_batches):
+                out.append(blocks.forward(i, h, mb.calls[i]))
+                mx.eval(out[-1])
+            hs = out
         if on_block is not None:
             on_block("eval", i)
     return [(head_loss(model, mb, h, head_chunk_bytes), mb.ntoks) for h, mb in zip(hs, micro_batches)]

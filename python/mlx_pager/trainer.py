@@ -104,6 +104,7 @@ class TrainResult:
     pager_stats: dict = field(default_factory=dict)  # the pager's counters at the end
     adapter_file: Optional[Path] = None  # the final adapters
     governor_events: List[str] = field(default_factory=list)  # each degradation, in order
+    governor_rungs: List[dict] = field(default_factory=list)  # the same, as --report records them
     page_footprints: List[int] = field(default_factory=list)  # bytes each block's page is charged
 
 
@@ -304,6 +305,7 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
     )
     result.plan = session.plan
     result.page_footprints = session.page_footprints
+    session.gov.on_rung = cb.on_governor
     cb.on_session(session)
     try:
         if args.train:
@@ -314,6 +316,7 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
         result.peak_rss = session.gov.peak_rss
         result.pager_stats = session.weights.pager.stats()
         result.governor_events = session.gov.events
+        result.governor_rungs = session.gov.rungs
 
 
 def _attach_adapters(args, model, cb: PagerCallback):

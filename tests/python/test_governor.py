@@ -3,8 +3,8 @@
 import mlx.core as mx
 import pytest
 
-from mlx_pager.budget import BudgetError, MemoryPlan
-from mlx_pager.governor import Governor, process_rss, return_freed_memory_to_os
+from mlx_pager.budget import MemoryPlan
+from mlx_pager.governor import Governor, MemoryPressure, process_rss, return_freed_memory_to_os
 
 
 class FakePager:
@@ -47,8 +47,11 @@ def test_stops_with_the_memory_needed_when_no_page_fits():
     rss = process_rss()
     p = plan(budget=rss // 2, page_budget=16 << 20, max_page=12 << 20)
     gov = Governor(p, FakePager(), pinned_bytes=0, margin=1 << 20)
-    with pytest.raises(BudgetError, match="Raise --memory-budget to at least"):
+    gov.check()  # shrinks the page budget to one page: that is all it can give
+    assert gov.page_budget == 12 << 20
+    with pytest.raises(MemoryPressure, match="Raise --memory-budget to at least"):
         gov.check()
+    assert [r["rung"] for r in gov.rungs] == ["page_budget"]
 
 
 def test_quiet_when_under_budget():

@@ -179,15 +179,25 @@ def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, b
         assert w.pager.stats()["acquires"] - before == L + (s - (L - 3)), s
 
 
-def test_tail_start_fits_pages_and_measured_activations():
-    from mlx_pager.segment import choose_start
-
-    fp = [100] * 8
-    # every trained block fits: no recompute at all
-    assert choose_start(2, fp, page_budget=1000, block_act_bytes=10, head_act_bytes=50, act_budget=200) == 2
-    # pages of 3 blocks fit the page budget
-    assert choose_start(0, fp, page_budget=350, block_act_bytes=10, head_act_bytes=0, act_budget=100) == 5
-    # activations decide: pages + (8 - s) * 50 + 20 <= 350 + 100
-    assert choose_start(0, fp, page_budget=350, block_act_bytes=50, head_act_bytes=20, act_budget=100) == 6
-    # not even the last block: no tail
-    assert choose_start(0, fp, page_budget=90, block_act_bytes=1, head_act_bytes=1, act_budget=10) == 8
+@pytest.mark.parametrize("parts", [2, 4])
+def test_a_split_batch_adds_up_to_the_whole(models, tmp_path, parts):
+    """A batch split into micro-batches of rows (each divided by the whole
+    batch's tokens) gives the batch's loss and gradients (default_loss),
+    up to float rounding: the same math, in smaller pieces."""
+    path = models("llama", None)
+    (batch, lengths) = batches(path, 1, batch_size=4)[0]
+    ref = reference(path, 3)
+    (l, n), g = nn.value_and_grad(ref, default_loss)(ref, batch, lengths)
+    model, w = paged(path, 3, "in_place", tmp_path)
+    mbs = S.split_batch(batch, lengths, parts)
+    assert len(mbs) == parts and sum(mb.rows for mb in mbs) == 4
+    probe = {}
+    losses, toks, grads = S.paged_value_and_grad(model, w, mbs, tail_start=len(model.layers) - 1, probe=probe)
+    assert sum(x.item() for x in losses) == pytest.approx(l.item(), rel=1e-5)
+    assert sum(t.item() for t in toks) == n.item()
+    for k, v in tree_flatten(g):
+        assert mx.allclose(grads[k], v, rtol=1e-4, atol=1e-6).item(), k
+    # what the planner learns from the step: the tail's and one recomputed block's peaks
+    assert probe["tail"][1:] == (1, mbs[0].rows, batch.shape[1] - 1) and probe["tail"][0] > 0
+    assert probe["block"][1:] == (mbs[0].rows, batch.shape[1] - 1) and probe["block"][0] > 0
+    assert probe["peak"] >= max(probe["tail"][0], probe["block"][0])

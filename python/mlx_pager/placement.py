@@ -1,0 +1,205 @@
+"""Activation placement: how a training step spends the memory the budget
+leaves after the process, the resident page and the trainable state.
+
+Three things compete for that pool: the block pages, the activations, and
+nothing else. Per step the planner picks
+
+  tail_start s  blocks s..L-1 and the head run as one segment whose autodiff
+                graph is kept from forward to backward (no recompute; its
+                pages are bound together); blocks first..s-1 keep only their
+                input as a checkpoint and are recomputed in the backward
+                sweep (step.py). s = first: no block is recomputed, mlx-lm's
+                own arithmetic; s = L: every trained block is.
+  parts         each batch is split into this many micro-batches of rows
+                (step.split_batch), with the same math, when one batch's
+                working set does not fit whole.
+
+It picks the fastest pair whose predicted peak fits, from sizes measured on
+the previous steps (step.paged_value_and_grad's probe: one recomputed
+block's forward + vjp peak, the tail's peak) and, before any measurement,
+from a conservative formula (session.estimate_sizes). A measured size is
+scaled to other shapes in proportion to tokens, and to the padded length
+once more (attention scores grow with its square). A tail longer than the
+one measured is predicted in proportion to its blocks, which overestimates
+(the head and the transient part do not grow with it), so a tail grows
+over a few steps and never past what fits.
+
+The predicted peak covers what the budget's pool holds during the step:
+
+  pages        the tail's pages, bound together, plus one page for the
+               sweep of the blocks below it
+  checkpoints  the input of every recomputed block, for every micro-batch,
+               plus the hidden state being computed and its cotangent
+  working set  the largest of: one recomputed block's forward + vjp, the
+               tail's graph, the head's loss and gradient (chunked)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+# Relative cost of a step's parts, in forward passes of one block: a frozen
+# block's backward (input gradients through the frozen weights, the
+# adapters' gradients) costs about one forward, and a recomputed block one
+# forward more. A split batch runs smaller matrix products: a few percent
+# slower per extra part.
+_SPLIT_COST = 0.03
+
+
+@dataclass
+class Sizes:
+    """What one step's activations weigh, for a model."""
+
+    hidden: int  # hidden size d
+    itemsize: int  # bytes per activation element
+    vocab: int
+    # One block's forward + vjp working set, bytes per token, at `block_len`
+    # (the padded length it was measured or estimated at).
+    block_per_token: float
+    block_len: int
+    block_fixed: int = 0  # bytes that do not grow with tokens (a dequantized weight)
+    block_measured: bool = False
+    # The tail's measured peak, per token and per block, at `tail_len`, for a
+    # tail of `tail_blocks` blocks (None: never measured).
+    tail_per_token_block: Optional[float] = None
+    tail_len: int = 0
+    tail_blocks: int = 0
+    head_chunk_bytes: int = 64 << 20
+
+    def _scale(self, per_token: float, at_len: int, rows: int, length: int) -> int:
+        return int(per_token * rows * length * max(1.0, length / max(1, at_len)))
+
+    def block(self, rows: int, length: int) -> int:
+        """One recomputed block's forward + vjp, for a micro-batch."""
+        return self._scale(self.block_per_token, self.block_len, rows, length) + self.block_fixed
+
+    def head(self, rows: int, length: int) -> int:
+        """The chunked head's loss and gradient (float32 logits, softmax and
+        their gradient for one chunk, and the hidden state's gradient)."""
+        chunk = min(self.head_chunk_bytes, rows * length * self.vocab * 4)
+        return 4 * chunk + rows * length * self.hidden * 4
+
+    def tail(self, blocks: int, rows: int, length: int) -> int:
+        """The tail segment's graph for `blocks` blocks and the head. From a
+        measured tail of n0 blocks (M bytes): M * n / n0 for a longer one (an
+        overestimate: the head does not grow with it), and M less (n0 - n)
+        blocks' share of what is not the head for a shorter one."""
+        if blocks <= 0:
+            return 0
+        head = 3 * rows * length * self.vocab * 4  # the whole head's graph: logits, softmax, gradient
+        if self.tail_per_token_block is None:
+            return self.block(rows, length) * blocks + head
+        whole = self._scale(self.tail_per_token_block * self.tail_blocks, self.tail_len, rows, length)
+        n0 = self.tail_blocks
+        fixed = min(head, whole)
+        return int(max(whole * blocks / n0, fixed + (whole - fixed) * blocks / n0))
+
+    def checkpoint(self, rows: int, length: int) -> int:
+        return rows * length * self.hidden * self.itemsize
+
+    def learn(self, probe: dict) -> None:
+        """Takes in what a step measured (step.paged_value_and_grad's probe)."""
+        if "block" in probe:
+            nbytes, rows, length = probe["block"]
+            self.block_per_token = max(0, nbytes - self.block_fixed) / max(1, rows * length)
+            self.block_len = length
+            self.block_measured = True
+        if "tail" in probe:
+            nbytes, blocks, rows, length = probe["tail"]
+            self.tail_per_token_block = nbytes / max(1, rows * length * blocks)
+            self.tail_len = length
+            self.tail_blocks = blocks
+
+
+@dataclass(frozen=True)
+class Placement:
+    tail_start: int
+    parts: int
+    pages: int  # bytes of pages the step needs at least
+    activations: int  # bytes of checkpoints and working set, predicted
+    recomputed: int  # blocks recomputed in the backward sweep
+    cost: float  # relative step time (forward passes of one block)
+
+    @property
+    def need(self) -> int:
+        return self.pages + self.activations
+
+
+@dataclass
+class Step:
+    """The shape of the steps to plan for."""
+
+    num_blocks: int
+    first_trained: int
+    footprints: List[int]  # each block page's charge
+    rows: int  # rows per batch
+    length: int  # padded length (the longest the data can make)
+    batches: int = 1  # batches per optimizer step (gradient accumulation)
+
+
+def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int) -> Placement:
+    """The pages, activations and cost of one placement."""
+    L, first, fp = step.num_blocks, step.first_trained, step.footprints
+    s = max(first, min(L, tail_start))
+    rows = -(-step.rows // parts)  # rows per micro-batch
+    length = step.length
+    pages = sum(fp[s:]) + (max(fp[:s]) if s > 0 else 0)
+    recomputed = s - first
+    # Checkpoints hold every micro-batch of the step (layer-major order),
+    # whole batches' worth; +2: the hidden state in flight and its cotangent.
+    checkpoints = (recomputed + 2) * step.batches * sizes.checkpoint(step.rows, length)
+    work = [sizes.block(rows, length)]  # a forward block, or a recomputed one
+    if s < L:
+        work.append(sizes.tail(L - s, rows, length))
+    else:
+        work.append(sizes.head(rows, length))
+    trained = L - first
+    cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1))
+    return Placement(s, parts, pages, checkpoints + max(work), recomputed, cost)
+
+
+def candidates(step: Step, sizes: Sizes) -> List[Placement]:
+    out = []
+    for parts in range(1, step.rows + 1):
+        if parts > 1 and -(-step.rows // parts) == -(-step.rows // (parts - 1)):
+            continue  # the same micro-batch size as fewer parts
+        for s in range(step.first_trained, step.num_blocks + 1):
+            out.append(evaluate(step, sizes, s, parts))
+    return out
+
+
+def choose(
+    step: Step,
+    sizes: Sizes,
+    pool: int,
+    page_cap: Optional[int] = None,
+    at_most: Optional[Placement] = None,
+    ceiling: Optional[Placement] = None,
+) -> Optional[Placement]:
+    """The cheapest placement whose pages and activations fit in `pool`
+    bytes (None when none does); with `page_cap`, whose pages fit in it.
+    `at_most`: only placements that need less than it (the governor's
+    ladder, after a step did not fit). `ceiling`: none with a longer tail or
+    fewer parts than it (where the ladder has been, a run does not return)."""
+    fits = [p for p in candidates(step, sizes) if p.need <= pool and (page_cap is None or p.pages <= page_cap)]
+    if ceiling is not None:
+        fits = [p for p in fits if p.parts >= ceiling.parts and p.tail_start >= ceiling.tail_start]
+    if at_most is not None:
+        # Less than `at_most` needs by today's sizes, and no more of anything.
+        ceiling = evaluate(step, sizes, at_most.tail_start, at_most.parts).need
+        fits = [p for p in fits if p.need < ceiling and p.parts >= at_most.parts and p.tail_start >= at_most.tail_start]
+    if not fits:
+        return None
+    return min(fits, key=lambda p: (p.cost, p.need))
+
+
+def smallest(step: Step, sizes: Sizes) -> Placement:
+    """The placement that needs the least memory (every block recomputed,
+    one row per micro-batch): what the budget must hold at the least."""
+    return min(candidates(step, sizes), key=lambda p: p.need)
+
+
+def describe(p: Placement, num_blocks: int) -> str:
+    tail = "none" if p.tail_start >= num_blocks else f"blocks {p.tail_start}..{num_blocks - 1}"
+    return f"no-recompute tail {tail}, {p.recomputed} recomputed, batch in {p.parts} part(s)"

@@ -1,0 +1,94 @@
+"""The placement planner (placement.py): the fastest placement that fits,
+from measured sizes, and the ladder's smaller ones."""
+
+import pytest
+
+from mlx_pager import placement as P
+
+MB = 1 << 20
+
+
+def sizes(**kw):
+    base = dict(hidden=64, itemsize=4, vocab=1000, block_per_token=4096, block_len=128, head_chunk_bytes=1 * MB)
+    base.update(kw)
+    return P.Sizes(**base)
+
+
+def shape(**kw):
+    base = dict(num_blocks=8, first_trained=0, footprints=[10 * MB] * 8, rows=4, length=128, batches=1)
+    base.update(kw)
+    return P.Step(**base)
+
+
+def test_a_pool_that_holds_everything_recomputes_nothing():
+    st, sz = shape(), sizes()
+    p = P.choose(st, sz, pool=10**12)
+    assert (p.tail_start, p.parts, p.recomputed) == (0, 1, 0)
+    assert p.pages == 80 * MB
+
+
+def test_less_memory_means_a_shorter_tail_then_a_split_batch():
+    st, sz = shape(), sizes()
+    full = P.evaluate(st, sz, 0, 1)
+    none = P.evaluate(st, sz, 8, 1)
+    assert none.need < full.need
+    # a pool between the two: some tail, some recompute, the cheapest that fits
+    mid = P.choose(st, sz, pool=(full.need + none.need) // 2)
+    assert 0 < mid.tail_start < 8 and mid.need <= (full.need + none.need) // 2
+    # every fitting placement costs at least as much as the one chosen
+    for q in P.candidates(st, sz):
+        if q.need <= (full.need + none.need) // 2:
+            assert q.cost >= mid.cost
+    # below what recomputing everything needs whole: the batch is split
+    least = P.smallest(st, sz)
+    assert least.parts == 4 and least.tail_start == 8
+    p = P.choose(st, sz, pool=(none.need + least.need) // 2)
+    assert p is not None and p.parts > 1
+    assert P.choose(st, sz, pool=least.need - 1) is None
+
+
+def test_a_measured_tail_scales_with_its_blocks_and_tokens():
+    sz = sizes()
+    sz.learn({"tail": (40 * MB, 4, 2, 128)})  # 4 blocks, 2 rows of 128
+    # exact where it was measured, proportional beyond (an overestimate)
+    assert sz.tail(4, 2, 128) == 40 * MB
+    assert sz.tail(8, 2, 128) == 80 * MB
+    assert sz.tail(4, 4, 128) == 80 * MB
+    # a shorter tail keeps the head's share: no less than proportional
+    assert 20 * MB <= sz.tail(2, 2, 128) < 40 * MB
+    # longer sequences: per token, and once more for attention's square
+    assert sz.tail(4, 2, 256) == 160 * MB
+
+
+def test_a_measured_block_replaces_the_formula():
+    sz = sizes(block_fixed=1 * MB)
+    before = sz.block(2, 128)
+    sz.learn({"block": (3 * MB, 2, 128)})
+    assert sz.block(2, 128) == 3 * MB and sz.block(2, 128) != before
+    assert sz.block(1, 128) == 1 * MB + 1 * MB  # the weight copy does not shrink with rows
+
+
+def test_the_ladder_only_goes_down():
+    st, sz = shape(), sizes()
+    top = P.choose(st, sz, pool=10**12)
+    smaller = P.choose(st, sz, pool=10**12, at_most=top)
+    assert smaller.need < top.need
+    assert smaller.tail_start >= top.tail_start and smaller.parts >= top.parts
+    # with a ceiling, a later plan never comes back above it
+    again = P.choose(st, sz, pool=10**12, ceiling=smaller)
+    assert again.tail_start >= smaller.tail_start and again.parts >= smaller.parts
+
+
+def test_page_cap_bounds_the_tail_pages():
+    st, sz = shape(), sizes()
+    p = P.choose(st, sz, pool=10**12, page_cap=35 * MB)
+    assert p.pages <= 35 * MB and p.tail_start == 6  # two tail pages + one for the sweep
+
+
+@pytest.mark.parametrize("first", [0, 3, 8])
+def test_checkpoints_count_recomputed_blocks_and_batches(first):
+    st, sz = shape(first_trained=first, batches=2), sizes()
+    p = P.evaluate(st, sz, 8, 1)
+    ckpt = sz.checkpoint(4, 128)
+    assert p.recomputed == 8 - first
+    assert p.activations >= (8 - first + 2) * 2 * ckpt
