@@ -213,6 +213,11 @@ std::uint64_t rewrite_swap_page(
   return combine_digests({xxh3(page.data(), page.size())});
 }
 
+void write_swap_array(const std::string& path, std::uint64_t offset, const mx::array& array) {
+  mx::array c = contiguous_eval(array);
+  rewrite_swap_range(path, offset, c.data<char>(), c.nbytes());
+}
+
 static mx::Dtype to_mlx(ScalarType t) {
   switch (t) {  // exhaustive: a new ScalarType fails to compile (-Wswitch)
     case ScalarType::bool_:

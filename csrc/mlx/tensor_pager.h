@@ -93,6 +93,12 @@ std::uint64_t write_swap_page(
 std::uint64_t rewrite_swap_page(
     const std::string& swap_path, std::uint64_t page_offset, const std::vector<mx::array>& arrays);
 
+// Writes the bytes of `array` (made contiguous) at `offset` of the existing
+// file `path`, synced and dropped from the page cache, with no checksum: a
+// spilled activation (spill.py) that lives for one step. The page registered
+// there must then be discarded (Pager::discard) before it is acquired again.
+void write_swap_array(const std::string& path, std::uint64_t offset, const mx::array& array);
+
 // The MLX dtype of a safetensors dtype name; throws naming unknown ones.
 mx::Dtype dtype_from_safetensors(const std::string& name);
 

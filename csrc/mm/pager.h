@@ -134,6 +134,11 @@ class Pager {
   void unpin(PageId id);
   // Drops every resident page nobody holds (pinned pages stay).
   void evict_all();
+  // The page's bytes on disk were rewritten (a spilled activation page,
+  // spill.py): drops any copy in memory, waiting for a read in flight, so
+  // that the next acquire reads the new bytes. Throws std::logic_error if
+  // the page is held or pinned.
+  void discard(PageId id);
 
   // ---- planning ----
   // The access order of one step, repeated (or, `repeat` = false, run once).

@@ -112,6 +112,23 @@ void Pager::evict_all() {
   drop_graveyard_unlocked(lock);
 }
 
+void Pager::discard(PageId id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  PageEntry& e = table_.at(id);
+  // A read in flight may have started before the rewrite: wait for it, then
+  // drop what it read.
+  cv_.wait(lock, [&] { return e.state != PageState::in_flight; });
+  if (e.refs > 0 || e.pinned) {
+    throw std::logic_error(
+        "[Pager::discard] page '" + e.spec.name + "' is held or pinned; release it first");
+  }
+  if (e.state == PageState::resident) {
+    e.prefetched = false;
+    evict_locked(lock, id);
+  }
+  drop_graveyard_unlocked(lock);
+}
+
 void Pager::drop_graveyard_unlocked(Lock& lock) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   if (graveyard_.empty()) {

@@ -175,6 +175,14 @@ void init_pager(nb::module_& m) {
           "page"_a)
       .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
       .def(
+          "discard",
+          [](TensorPager& tp, nb::handle page) {
+            PageId id = page_id(tp, page);
+            nb::gil_scoped_release unlocked;
+            tp.pager().discard(id);
+          },
+          "page"_a, "Drops the page's copy in memory: its bytes on disk were rewritten.")
+      .def(
           "set_schedule",
           [](TensorPager& tp, const std::vector<PageId>& order, bool repeat) {
             tp.pager().set_schedule(order, repeat);

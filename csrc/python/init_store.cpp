@@ -81,6 +81,14 @@ void init_store(nb::module_& m) {
       "path"_a, "offset"_a, "arrays"_a,
       "Writes the page of `arrays` over the page at `offset`; returns its checksum.");
   m.def(
+      "write_swap_array",
+      [](const std::string& path, std::uint64_t offset, const mx::array& array) {
+        nb::gil_scoped_release unlocked;
+        write_swap_array(path, offset, array);
+      },
+      "path"_a, "offset"_a, "array"_a,
+      "Writes the array's bytes at `offset` of the file (a spilled activation; no checksum).");
+  m.def(
       "hash_file",
       [](const std::string& path, const std::vector<std::pair<std::uint64_t, std::uint64_t>>& r) {
         FileDigest d;

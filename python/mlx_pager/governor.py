@@ -184,7 +184,14 @@ class Governor:
         over = rss - limit
         page_budget = self.page_budget
         floor = max(self.plan.max_page, self.min_page_budget)
-        new = max(floor, page_budget - over)
+        # Shrink from what the pages use now (a generous budget may be far
+        # above it), by what the process is over.
+        stats = getattr(self.pager, "stats", None)
+        used = page_budget
+        if stats is not None:
+            st = stats()
+            used = min(page_budget, st["resident_bytes"] - st["pinned_bytes"])
+        new = max(floor, used - over)
         if new < page_budget:
             self.set_page_budget(new)
             mx.clear_cache()

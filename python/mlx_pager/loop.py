@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from . import files, interrupt, placement, resume, step
 from ._core import PageReadError
-from .budget import BudgetError
+from .budget import BudgetError, format_size
 from .callbacks import PagerCallback
 from .governor import MemoryPressure, peak_rss, process_rss, release_heap, reset_peak_rss
 from .session import Session
@@ -177,6 +177,7 @@ def _value_and_grad(s: Session, group, on_block, it: int):
             mbs.extend(parts)
             owner.extend([g] * len(parts))
         probe = {}
+        spill_before = (s.spill.bytes_written, s.spill.bytes_read) if s.spill is not None else (0, 0)
         try:
             losses, toks, grads = step.paged_value_and_grad(
                 s.model,
@@ -187,19 +188,25 @@ def _value_and_grad(s: Session, group, on_block, it: int):
                 blocks=s.blocks,
                 tail_start=p.tail_start,
                 probe=probe,
+                spill=s.spill,
+                spilled=p.spilled,
             )
             break
         except MemoryPressure as e:
             del mbs
             release_heap()
             if not s.replan(probe, smaller=True):
-                s.gov.record("stop", f"iteration {it}: nothing that needs less memory is left", iteration=it)
+                least = placement.smallest(s.shape, s.sizes)
+                need = max(s.plan.fixed_without_activations + least.need, e.rss + s.gov.margin)
+                s.gov.record("stop", f"iteration {it}: no placement that needs less memory fits", iteration=it)
                 raise BudgetError(
-                    f"{e} Every placement that needs less was tried (every block recomputed, "
-                    f"the batch split into {s.placement.parts} part(s))."
+                    f"iteration {it} does not fit in --memory-budget {format_size(s.plan.budget)}: the process "
+                    f"uses {format_size(e.rss)}, and no placement that needs less is left (the least: "
+                    f"{placement.describe(least, len(s.model.layers))}). Raise --memory-budget to at least "
+                    f"{format_size(need)}, or lower --max-seq-length."
                 ) from None
             q = s.placement
-            rung = "split" if q.parts > p.parts else "recompute"
+            rung = "split" if q.parts > p.parts else "spill" if q.spilled > p.spilled else "recompute"
             s.gov.record(
                 rung,
                 f"iteration {it} did not fit: running it again with {placement.describe(q, len(s.model.layers))}",
@@ -209,6 +216,9 @@ def _value_and_grad(s: Session, group, on_block, it: int):
             )
     probe["placement"] = p
     probe["predicted_peak"] = s.predicted_peak(p)
+    if s.spill is not None:
+        probe["spilled_bytes"] = s.spill.bytes_written - spill_before[0]
+        probe["spill_read_bytes"] = s.spill.bytes_read - spill_before[1]
     if len(mbs) == len(group):
         return losses, toks, grads, probe
     # Parts of one batch add up to it (each was divided by the batch's tokens).
@@ -369,6 +379,10 @@ def train(
                 "tail_start": probe["placement"].tail_start,
                 "recomputed_blocks": probe["placement"].recomputed,
                 "batch_parts": probe["placement"].parts,
+                "spilled_blocks": probe["placement"].spilled,
+                # checkpoints written to the SSD and read back (spill.py)
+                "spilled_bytes": probe.get("spilled_bytes", 0),
+                "spill_read_bytes": probe.get("spill_read_bytes", 0),
                 "predicted_peak_bytes": probe["predicted_peak"],
             }
             result.steps.append(rec)

@@ -10,6 +10,10 @@ nothing else. Per step the planner picks
                 input as a checkpoint and are recomputed in the backward
                 sweep (step.py). s = first: no block is recomputed, mlx-lm's
                 own arithmetic; s = L: every trained block is.
+  spilled       of the recomputed blocks, how many (the lowest, whose
+                backward comes last) write their checkpoints to the SSD
+                after the forward sweep and read them back through the pager
+                (spill.py), instead of holding them
   parts         each batch is split into this many micro-batches of rows
                 (step.split_batch), with the same math, when one batch's
                 working set does not fit whole.
@@ -45,6 +49,10 @@ from typing import List, Optional
 # forward more. A split batch runs smaller matrix products: a few percent
 # slower per extra part.
 _SPLIT_COST = 0.03
+# A spilled checkpoint is written and read back while other blocks compute;
+# what is not hidden costs a little per block. Cheaper than splitting, as
+# the governor's ladder orders them.
+_SPILL_COST = 0.05
 
 
 @dataclass
@@ -120,6 +128,7 @@ class Placement:
     activations: int  # bytes of checkpoints and working set, predicted
     recomputed: int  # blocks recomputed in the backward sweep
     cost: float  # relative step time (forward passes of one block)
+    spilled: int = 0  # of the recomputed blocks, the lowest ones whose checkpoints go to the SSD
 
     @property
     def need(self) -> int:
@@ -137,8 +146,13 @@ class Step:
     length: int  # padded length (the longest the data can make)
     batches: int = 1  # batches per optimizer step (gradient accumulation)
 
+    def micro_batches(self, parts: int) -> int:
+        """Micro-batches per step when each batch is split into `parts`."""
+        size = -(-self.rows // parts)
+        return self.batches * -(-self.rows // size)
 
-def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int) -> Placement:
+
+def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int = 0) -> Placement:
     """The pages, activations and cost of one placement."""
     L, first, fp = step.num_blocks, step.first_trained, step.footprints
     s = max(first, min(L, tail_start))
@@ -146,17 +160,28 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int) -> Placement
     length = step.length
     pages = sum(fp[s:]) + (max(fp[:s]) if s > 0 else 0)
     recomputed = s - first
+    spilled = max(0, min(spilled, recomputed))
     # Checkpoints hold every micro-batch of the step (layer-major order),
     # whole batches' worth; +2: the hidden state in flight and its cotangent.
-    checkpoints = (recomputed + 2) * step.batches * sizes.checkpoint(step.rows, length)
+    batch_ckpt = step.batches * sizes.checkpoint(step.rows, length)
+    checkpoints = (recomputed - spilled + 2) * batch_ckpt
+    if spilled:
+        # One block's spilled checkpoints read back at a time (its pages, with
+        # one more block's read ahead), and one being written.
+        pages += 2 * step.micro_batches(parts) * _slot(sizes.checkpoint(rows, length))
+        checkpoints += sizes.checkpoint(rows, length)
     work = [sizes.block(rows, length)]  # a forward block, or a recomputed one
     if s < L:
         work.append(sizes.tail(L - s, rows, length))
     else:
         work.append(sizes.head(rows, length))
     trained = L - first
-    cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1))
-    return Placement(s, parts, pages, checkpoints + max(work), recomputed, cost)
+    cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
+    return Placement(s, parts, pages, checkpoints + max(work), recomputed, cost, spilled)
+
+
+def _slot(nbytes: int, align: int = 4096) -> int:
+    return -(-nbytes // align) * align
 
 
 def candidates(step: Step, sizes: Sizes) -> List[Placement]:
@@ -165,7 +190,9 @@ def candidates(step: Step, sizes: Sizes) -> List[Placement]:
         if parts > 1 and -(-step.rows // parts) == -(-step.rows // (parts - 1)):
             continue  # the same micro-batch size as fewer parts
         for s in range(step.first_trained, step.num_blocks + 1):
-            out.append(evaluate(step, sizes, s, parts))
+            r = s - step.first_trained
+            for spilled in sorted({0, r, r // 4, r // 2, 3 * r // 4}):
+                out.append(evaluate(step, sizes, s, parts, spilled))
     return out
 
 
@@ -180,15 +207,21 @@ def choose(
     """The cheapest placement whose pages and activations fit in `pool`
     bytes (None when none does); with `page_cap`, whose pages fit in it.
     `at_most`: only placements that need less than it (the governor's
-    ladder, after a step did not fit). `ceiling`: none with a longer tail or
-    fewer parts than it (where the ladder has been, a run does not return)."""
+    ladder, after a step did not fit). `ceiling`: none with a longer tail,
+    fewer spilled blocks or fewer parts than it (where the ladder has been,
+    a run does not return)."""
     fits = [p for p in candidates(step, sizes) if p.need <= pool and (page_cap is None or p.pages <= page_cap)]
-    if ceiling is not None:
-        fits = [p for p in fits if p.parts >= ceiling.parts and p.tail_start >= ceiling.tail_start]
+    for bound in (at_most, ceiling):
+        if bound is not None:
+            fits = [
+                p
+                for p in fits
+                if p.parts >= bound.parts and p.tail_start >= bound.tail_start and p.spilled >= bound.spilled
+            ]
     if at_most is not None:
-        # Less than `at_most` needs by today's sizes, and no more of anything.
-        ceiling = evaluate(step, sizes, at_most.tail_start, at_most.parts).need
-        fits = [p for p in fits if p.need < ceiling and p.parts >= at_most.parts and p.tail_start >= at_most.tail_start]
+        # Less than `at_most` needs by today's sizes.
+        below = evaluate(step, sizes, at_most.tail_start, at_most.parts, at_most.spilled).need
+        fits = [p for p in fits if p.need < below]
     if not fits:
         return None
     return min(fits, key=lambda p: (p.cost, p.need))
@@ -202,4 +235,5 @@ def smallest(step: Step, sizes: Sizes) -> Placement:
 
 def describe(p: Placement, num_blocks: int) -> str:
     tail = "none" if p.tail_start >= num_blocks else f"blocks {p.tail_start}..{num_blocks - 1}"
-    return f"no-recompute tail {tail}, {p.recomputed} recomputed, batch in {p.parts} part(s)"
+    spill = f" ({p.spilled} checkpoints spilled to the SSD)" if p.spilled else ""
+    return f"no-recompute tail {tail}, {p.recomputed} recomputed{spill}, batch in {p.parts} part(s)"

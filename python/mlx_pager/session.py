@@ -110,6 +110,7 @@ class Session:
     placement: Optional[placement.Placement] = None
     page_cap: Optional[int] = None  # --page-budget: pages never get more
     ceiling: Optional[placement.Placement] = None  # set by the ladder (replan)
+    spill: Optional[object] = None  # spill.SpillStore, once a placement spills
 
     @property
     def tail_start(self) -> int:
@@ -121,9 +122,39 @@ class Session:
 
     def use_step_schedule(self):
         """The pager's access order: a training step (forward, then backward
-        down to the first trained block, or to the tail's start)."""
-        order = step.step_schedule(len(self.model.layers), self.first_trained, self.tail_start)
-        self.weights.pager.set_schedule([self.weights.page_ids[i] for i in order])
+        down to the first trained block, or to the tail's start), with each
+        spilled block's checkpoint pages after its own page in the backward
+        sweep (the order step.py acquires them in)."""
+        L = len(self.model.layers)
+        order = step.step_schedule(L, self.first_trained, self.tail_start)
+        spilled = range(self.first_trained, self.first_trained + (self.placement.spilled if self.placement else 0))
+        slots = self.shape.micro_batches(self.parts)
+        ids = []
+        for n, i in enumerate(order):
+            ids.append(self.weights.page_ids[i])
+            if n >= L and i in spilled and self.spill is not None:  # the backward sweep
+                ids.extend(self.spill.page_ids(i, slots))
+        self.weights.pager.set_schedule(ids)
+
+    def spill_store(self, p: "placement.Placement"):
+        """The activation swap file for placement `p` (None: it spills
+        nothing); made, or made again with bigger slots, as needed."""
+        if not p.spilled:
+            return self.spill
+        from .spill import SpillStore
+
+        rows = -(-self.args.batch_size // p.parts)
+        need = self.sizes.checkpoint(rows, self.seq_len)
+        if self.spill is None or self.spill.slot_bytes < need:
+            if self.spill is not None:
+                self.spill.close()
+            self.spill = SpillStore(self.weights, self.args.ssd_cache_dir, need)
+        return self.spill
+
+    def close(self):
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
 
     @property
     def pool(self) -> int:
@@ -136,11 +167,12 @@ class Session:
         caching use them)."""
         old = self.placement
         self.placement = p
+        self.spill_store(p)
         self.plan.activations = p.activations
         page_budget = self.plan.page_budget if self.page_cap is None else min(self.page_cap, self.plan.page_budget)
         self.gov.set_page_budget(page_budget)
         self.gov.min_page_budget = p.pages
-        if old is None or old.tail_start != p.tail_start:
+        if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
 
     def replan(self, probe: Optional[dict] = None, smaller: bool = False) -> bool:
@@ -162,8 +194,23 @@ class Session:
             return False
         if smaller:
             self.ceiling = p
-        if p != self.placement:
+        old = self.placement
+        if p != old:
             self.place(p)
+            if not smaller and old is not None:
+                # The pool changed (a budget lowered, sizes measured): a
+                # placement that needs less is a rung of the ladder too.
+                rung = (
+                    "split"
+                    if p.parts > old.parts
+                    else "spill"
+                    if p.spilled > old.spilled
+                    else "recompute"
+                    if p.tail_start > old.tail_start
+                    else None
+                )
+                if rung is not None:
+                    self.gov.record(rung, f"next step: {placement.describe(p, len(self.model.layers))}")
         return True
 
     def predicted_peak(self, p: Optional["placement.Placement"] = None) -> int:
@@ -197,12 +244,14 @@ def estimate_sizes(
     """What the planner assumes before a step has measured anything: a
     conservative formula for one block's forward + vjp in float32 (~16
     hidden-sized and ~6 MLP-sized temporaries per token, the attention
-    scores and their gradient), and an unquantized copy of the largest
-    weight for backends that dequantize."""
+    scores, their softmax and their gradients, ~6 score-sized buffers),
+    and an unquantized copy of the largest weight for backends that
+    dequantize. The first step runs by it, so it must not underestimate:
+    the governor cannot step in inside one block's graph."""
     d = int(config.get("hidden_size", 4096))
     f = int(config.get("intermediate_size", 4 * d))
     heads = int(config.get("num_attention_heads", 32))
-    per_token = (16 * d + 6 * f) * 4 + 3 * heads * seq_len * 4
+    per_token = (16 * d + 6 * f) * 4 + 6 * heads * seq_len * 4
     return placement.Sizes(
         hidden=d,
         itemsize=act_itemsize,

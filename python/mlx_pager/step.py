@@ -528,6 +528,8 @@ def paged_value_and_grad(
     blocks: Optional[Blocks] = None,
     tail_start: Optional[int] = None,
     probe: Optional[dict] = None,
+    spill=None,
+    spilled: int = 0,
 ) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
     """Losses and token counts per micro-batch, and the SUM over micro-batches
     of the adapter gradients, as a flat {model parameter path: grad} dict.
@@ -538,6 +540,9 @@ def paged_value_and_grad(
     blocks s..L-1 and the head run as one segment, forward and backward in
     one vjp with their pages bound together, no recompute (segment.py);
     None or L: every trained block is checkpointed and recomputed.
+    `spill` (a spill.SpillStore) and `spilled` = k: the checkpoints of the
+    recomputed blocks first..first+k-1 go to the SSD after the forward
+    sweep uses them and come back through the pager in the backward sweep.
 
     `probe` (a dict) gets what this step measured, for the placement
     planner (placement.py), from MLX's peak-memory counter (which it
@@ -564,9 +569,14 @@ def paged_value_and_grad(
     keys = _dropout_keys(model, L, len(micro_batches))
     hs = [mb.h0 for mb in micro_batches]
     saved: Dict[int, List[mx.array]] = {}
+    to_ssd = set(range(first, min(s_tail, first + spilled))) if spill is not None else set()
     for i in range(s_tail):
         with weights.bound(i):
-            if i >= first:
+            if i in to_ssd:
+                for m, h in enumerate(hs):
+                    spill.put(i, m, h)
+                saved[i] = None
+            elif i >= first:
                 saved[i] = hs
             # One micro-batch at a time: a batch split to fit keeps one
             # part's working set in memory, not all of them.
@@ -617,9 +627,9 @@ def paged_value_and_grad(
     del hs
 
     for i in range(s_tail - 1, first - 1, -1):
-        with weights.bound(i):
+        with weights.bound(i), _checkpoints(saved.pop(i), spill, i, len(micro_batches)) as ins:
             new_cots, block_grads = [], {}
-            for m, (h, mb) in enumerate(zip(saved.pop(i), micro_batches)):
+            for m, (h, mb) in enumerate(zip(ins, micro_batches)):
                 base = _measure_start(probe) if m == 0 and i == s_tail - 1 else None
                 g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m])
                 if base is not None:
@@ -627,6 +637,7 @@ def paged_value_and_grad(
                     probe["block"] = (_measure_end(probe, base), mb.rows, int(h.shape[1]))
                 new_cots.append(g_h)
                 add(block_grads, i, g_p)
+            h = None  # no reference to a checkpoint outlives its block
             cots = new_cots
             mx.eval(cots, block_grads)
             grads.update(block_grads)
@@ -635,6 +646,26 @@ def paged_value_and_grad(
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
     return losses, ntoks, grads
+
+
+@contextmanager
+def _checkpoints(kept: Optional[List[mx.array]], spill, block: int, n: int):
+    """Block `block`'s checkpoints for its backward: those kept in memory,
+    or (None) its spilled ones, read back through the pager and released
+    and dropped afterwards."""
+    if kept is not None:
+        yield kept
+        return
+    got = []
+    try:
+        for m in range(n):
+            got.append(spill.get(block, m))
+        yield got
+    finally:
+        held = len(got)
+        got.clear()  # the caller's name for the list too: the arrays go before their pages
+        for m in range(held):
+            spill.release(block, m)
 
 
 def _measure_start(probe: Optional[dict]) -> Optional[int]:

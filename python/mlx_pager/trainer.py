@@ -317,6 +317,7 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
         result.pager_stats = session.weights.pager.stats()
         result.governor_events = session.gov.events
         result.governor_rungs = session.gov.rungs
+        session.close()
 
 
 def _attach_adapters(args, model, cb: PagerCallback):

@@ -5,12 +5,15 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <random>
+#include <stdexcept>
 #include <thread>
 
 #include "check.h"
 #include "mm/direct_io.h"
 #include "mm/pager.h"
+#include "mm/swapfile.h"
 #include "test_files.h"
 
 using namespace mlx_pager;
@@ -510,4 +513,34 @@ TEST_CASE("pager: set_readahead returns the previous value and clamps at 0") {
   Pager p(config(2, Policy::lru, 3), std::make_shared<HeapFrameAllocator>());
   CHECK_EQ(p.set_readahead(-1), 3);
   CHECK_EQ(p.set_readahead(2), 0);
+}
+
+TEST_CASE("pager: discard drops a rewritten page, so the next acquire reads the new bytes") {
+  Fixture fx(3, 53, "pager_discard.bin");
+  Pager p(config(3, Policy::optimal, 2), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.set_schedule({0, 1, 2});
+  Frame f = p.acquire(1);
+  CHECK(fx.frame_ok(f, 1));
+  CHECK_THROWS_WITH(p.discard(1), "held or pinned");  // held: a caller bug
+  p.release(1);
+  // Rewrite page 1's bytes on disk with page 2's pattern, then discard.
+  std::vector<char> other(kPage);
+  {
+    Frame g = p.acquire(2);
+    std::memcpy(other.data(), g.data, kPage);
+    p.release(2);
+  }
+  rewrite_swap_range(fx.path, kPage, other.data(), other.size());
+  p.discard(1);
+  CHECK(p.state(1) == PageState::on_disk);
+  Frame h = p.acquire(1);
+  CHECK(std::memcmp(h.data, other.data(), kPage) == 0);
+  p.release(1);
+  // Discarding a page that is not in memory is a no-op; readahead may be
+  // reading it: discard waits for that read and drops it.
+  p.discard(0);
+  p.discard(1);
+  CHECK(p.state(1) == PageState::on_disk);
+  CHECK(p.stats().resident_bytes_now <= 3 * kPage);
 }

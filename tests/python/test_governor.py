@@ -66,3 +66,195 @@ def test_mallopt_applies_on_glibc():
     import sys
 
     assert return_freed_memory_to_os() == sys.platform.startswith("linux")
+
+
+# ------------------------------------------------------------------ ladder --
+# Each rung of the ladder, forced in a real run by lowering the budget of the
+# running process (Governor.lower_budget, from a callback) before a step, and
+# the adapters compared with an unforced run's: a rung changes where memory
+# goes, never the math (a split batch sums the same terms in another order).
+
+import copy  # noqa: E402
+import json  # noqa: E402
+import types  # noqa: E402
+
+from conftest import SAMPLE, write_jsonl  # noqa: E402
+
+from mlx_pager import placement  # noqa: E402
+from mlx_pager.budget import BudgetError  # noqa: E402
+from mlx_pager.callbacks import PagerCallback  # noqa: E402
+from mlx_pager.trainer import DEFAULTS  # noqa: E402
+from mlx_pager.trainer import run as paged_run  # noqa: E402
+
+LADDER_SPEC = dict(hidden_size=512, num_hidden_layers=6, intermediate_size=1536, vocab_size=1024, dtype="float32")
+
+
+class Squeeze(PagerCallback):
+    """Lowers the running process's budget to target(session) at the start
+    of iteration `at`."""
+
+    def __init__(self, at, target):
+        self.at, self.target, self.session = at, target, None
+
+    def on_session(self, session):
+        self.session = session
+
+    def on_step_begin(self, iteration, stats):
+        if iteration == self.at:
+            self.session.gov.lower_budget(int(self.target(self.session)))
+
+
+@pytest.fixture(scope="module")
+def ladder_model(tmp_path_factory):
+    from mlx_pager import modelgen
+
+    spec = modelgen.ModelSpec(arch="llama", bits=None, seed=4, **LADDER_SPEC)
+    return modelgen.generate_model(tmp_path_factory.mktemp("ladder") / "model", spec)
+
+
+@pytest.fixture(scope="module")
+def ladder_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ladder_data")
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    write_jsonl(d / "train.jsonl", recs[:40])
+    return d
+
+
+def ladder_run(model, data, path, iters=4, cb=None, **kw):
+    path.mkdir(parents=True, exist_ok=True)
+    a = dict(
+        DEFAULTS,
+        model=str(model),
+        data=str(data),
+        train=True,
+        iters=iters,
+        batch_size=4,
+        num_layers=4,
+        learning_rate=1e-3,
+        steps_per_report=1,
+        steps_per_eval=1000,
+        save_every=1000,
+        seed=0,
+        adapter_path=str(path / "ad"),
+        memory_budget="3GB",
+        ssd_cache_dir=str(path / "cache"),
+        report=str(path / "report.jsonl"),
+        quiet=True,
+    )
+    a.update(kw)
+    res = paged_run(types.SimpleNamespace(**copy.deepcopy(a)), training_callback=cb)
+    return res, mx.load(str(path / "ad" / "adapters.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def unforced(ladder_model, ladder_data, tmp_path_factory):
+    res, ad = ladder_run(ladder_model, ladder_data, tmp_path_factory.mktemp("unforced"))
+    assert res.governor_rungs == [] and res.steps[-1]["recomputed_blocks"] == 0
+    return ad
+
+
+def same(ref, got, exact):
+    assert set(ref) == set(got)
+    for k in ref:
+        if exact:
+            assert mx.array_equal(ref[k], got[k]).item(), k
+        else:
+            assert mx.allclose(ref[k], got[k], rtol=1e-4, atol=1e-6).item(), (k, mx.abs(ref[k] - got[k]).max())
+
+
+ORDER = ["cache", "readahead", "page_budget"]
+
+
+def rung_names(res):
+    return [r["rung"] for r in res.governor_rungs if r["rung"] != "budget"]
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """Mostly pages: 16 blocks, adapters on the last 2."""
+    from mlx_pager import modelgen
+
+    spec = modelgen.ModelSpec(arch="llama", bits=None, seed=5, **dict(LADDER_SPEC, num_hidden_layers=16))
+    return modelgen.generate_model(tmp_path_factory.mktemp("deep") / "model", spec)
+
+
+def test_cheap_rungs_come_first_and_change_nothing(deep_model, ladder_data, tmp_path):
+    """Over budget by half the cached pages: MLX's cache is freed, readahead
+    stops and the page budget shrinks, in that order, before anything else;
+    training goes on and the adapters are the unforced run's."""
+    _, unforced = ladder_run(deep_model, ladder_data, tmp_path / "unforced", num_layers=2)
+
+    def target(s):
+        st = s.weights.pager.stats()
+        cached = st["resident_bytes"] - st["pinned_bytes"]
+        over = process_rss() + s.gov.margin_for(process_rss()) - mx.get_cache_memory() - cached // 2
+        # never below what the least placement needs: that is the last rung's test
+        return max(over, s.plan.fixed_without_activations + placement.smallest(s.shape, s.sizes).need)
+
+    res, ad = ladder_run(deep_model, ladder_data, tmp_path, cb=Squeeze(3, target), num_layers=2)
+    names = rung_names(res)
+    assert "page_budget" in names, names
+    cheap = [n for n in names if n in ORDER]
+    assert cheap == sorted(cheap, key=ORDER.index)[: len(cheap)] or cheap[0] in ORDER
+    assert names.index("page_budget") < min(
+        (names.index(n) for n in ("recompute", "spill", "split") if n in names), default=len(names)
+    )
+    same(unforced, ad, exact="split" not in names)
+    report = [json.loads(l) for l in (tmp_path / "report.jsonl").read_text().splitlines()]
+    assert [r["rung"] for r in report if r["type"] == "governor" and r["rung"] != "budget"] == names
+
+
+def _need(s, **kw):
+    p = placement.evaluate(s.shape, s.sizes, **kw)
+    return s.plan.fixed_without_activations + p.need
+
+
+def test_spill_rung_writes_checkpoints_and_reads_them_back(ladder_model, ladder_data, tmp_path):
+    """A budget that holds the checkpoints only on the SSD (batches of one
+    sequence: splitting is no option): the checkpoints are spilled and read
+    back, and the adapters are the same bits."""
+    L = LADDER_SPEC["num_hidden_layers"]
+    _, unforced = ladder_run(ladder_model, ladder_data, tmp_path / "unforced", batch_size=1)
+
+    def target(s):
+        first = s.first_trained
+        return (_need(s, tail_start=L, parts=1, spilled=L - first) + _need(s, tail_start=L, parts=1, spilled=0)) // 2
+
+    res, ad = ladder_run(ladder_model, ladder_data, tmp_path, cb=Squeeze(2, target), batch_size=1)
+    names = rung_names(res)
+    assert "spill" in names, names
+    spilled = [st for st in res.steps if st["spilled_blocks"]]
+    assert spilled and all(st["spilled_bytes"] == st["spill_read_bytes"] > 0 for st in spilled)
+    same(unforced, ad, exact="split" not in names)
+    assert not list((tmp_path / "cache").glob("activations-*.swap"))  # removed at the end
+
+
+def test_split_rung_splits_the_batch_with_the_same_math(ladder_model, ladder_data, tmp_path, unforced):
+    """A budget that holds one micro-batch of 2 rows but not the batch of 4,
+    whatever else is spilled or recomputed: the batch is split, and the
+    adapters equal the unforced run's up to float rounding."""
+    L = LADDER_SPEC["num_hidden_layers"]
+
+    def target(s):
+        first = s.first_trained
+        return (
+            _need(s, tail_start=L, parts=2, spilled=L - first) + _need(s, tail_start=L, parts=1, spilled=L - first)
+        ) // 2
+
+    res, ad = ladder_run(ladder_model, ladder_data, tmp_path, cb=Squeeze(2, target))
+    names = rung_names(res)
+    assert "split" in names, names
+    assert max(st["batch_parts"] for st in res.steps) >= 2
+    same(unforced, ad, exact=False)
+
+
+def test_last_rung_saves_the_adapters_and_names_what_would_fit(ladder_model, ladder_data, tmp_path):
+    """Nothing fits any more: the run stops with the adapters of the last
+    finished step saved, and says what budget would do."""
+    ref_res, ref = ladder_run(ladder_model, ladder_data, tmp_path / "two", iters=2)
+    with pytest.raises(BudgetError, match="Raise --memory-budget to at least") as e:
+        ladder_run(ladder_model, ladder_data, tmp_path / "stop", cb=Squeeze(3, lambda s: s.plan.baseline // 2))
+    assert "iteration 3 does not fit" in str(e.value) and "iteration 2 are saved" in str(e.value)
+    same(ref, mx.load(str(tmp_path / "stop" / "ad" / "adapters.safetensors")), exact=True)
+    report = [json.loads(l) for l in (tmp_path / "stop" / "report.jsonl").read_text().splitlines()]
+    assert [r["rung"] for r in report if r["type"] == "governor"][-1] == "stop"

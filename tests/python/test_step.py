@@ -201,3 +201,40 @@ def test_a_split_batch_adds_up_to_the_whole(models, tmp_path, parts):
     assert probe["tail"][1:] == (1, mbs[0].rows, batch.shape[1] - 1) and probe["tail"][0] > 0
     assert probe["block"][1:] == (mbs[0].rows, batch.shape[1] - 1) and probe["block"][0] > 0
     assert probe["peak"] >= max(probe["tail"][0], probe["block"][0])
+
+
+def test_spilled_checkpoints_come_back_bitwise(models, tmp_path):
+    """Checkpoints written to the SSD after the forward sweep and read back
+    through the pager in the backward sweep (spill.py): the same bits as
+    mlx-lm, step after step (each step rewrites the pages: a copy read
+    before the write is never used), with the bytes counted both ways."""
+    from mlx_pager.spill import SpillStore
+
+    path = models("llama", None)
+    bs = batches(path, 3)
+    ref = reference(path, 3)
+    vg = nn.value_and_grad(ref, default_loss)
+    model, w = paged(path, 3, "in_place", tmp_path)
+    L = len(model.layers)
+    first = S.first_trained_block(model)
+    store = SpillStore(w, tmp_path / "spill", 1)
+    try:
+        for b in bs:
+            (l, _), g = vg(ref, *b)
+            mx.eval(l, g)
+            mb = S.MicroBatch.from_batch(*b)
+            mb.record(model)
+            need = mb.h0.nbytes  # one checkpoint
+            if need > store.slot_bytes:
+                store.close()
+                store = SpillStore(w, tmp_path / "spill", need)
+            before = (store.bytes_written, store.bytes_read)
+            losses, _, grads = S.paged_value_and_grad(model, w, [mb], tail_start=L, spill=store, spilled=L - first)
+            assert losses[0].item() == l.item()
+            assert_bitwise(g, grads)
+            written, read = store.bytes_written - before[0], store.bytes_read - before[1]
+            assert written == read == (L - first) * need
+        assert store.path.exists()
+    finally:
+        store.close()
+    assert not store.path.exists()
