@@ -171,6 +171,7 @@ class JsonReport(PagerCallback):
 
     def __init__(self, path, run_info: Optional[dict] = None):
         self.t0 = time.perf_counter()
+        self.session = None
         self.file = open(path, "a")
         self._write({"type": "run", "time": time.time(), **(run_info or {})})
 
@@ -187,6 +188,9 @@ class JsonReport(PagerCallback):
     def on_governor(self, rung):
         self._write({"type": "governor", "t": time.perf_counter() - self.t0, **rung})
 
+    def on_session(self, session):
+        self.session = session
+
     def on_block(self, weights, phase, block):
         s = weights.pager.stats()
         self._write(
@@ -201,6 +205,8 @@ class JsonReport(PagerCallback):
                 "mlx_active_bytes": mx.get_active_memory(),
                 "mlx_cache_bytes": mx.get_cache_memory(),
                 "in_flight_pages": s["in_flight_pages"],
+                # checkpoints held in memory, and spilled ones on the SSD (placement.py)
+                **(self.session.memory_now() if self.session is not None else {}),
             }
         )
 

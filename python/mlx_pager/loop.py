@@ -177,6 +177,7 @@ def _value_and_grad(s: Session, group, on_block, it: int):
             mbs.extend(parts)
             owner.extend([g] * len(parts))
         probe = {}
+        s.live = probe  # read by memory traces while the step runs (callbacks.JsonReport)
         spill_before = (s.spill.bytes_written, s.spill.bytes_read) if s.spill is not None else (0, 0)
         try:
             losses, toks, grads = step.paged_value_and_grad(

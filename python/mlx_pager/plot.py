@@ -6,9 +6,11 @@ run (a report file appended to by several runs is split at each run's
 header record, or where the iteration count starts again):
 
   top     memory by component over time (one sample per block): the pinned
-          page, block pages, the rest of MLX's memory (activations, adapters,
-          optimizer state), MLX's buffer cache, and the rest of the process,
-          with the process's RSS and the budget (--budget) as lines
+          page, block pages, checkpoints held in memory, the rest of MLX's
+          memory (working set, adapters, optimizer state), MLX's buffer
+          cache, and the rest of the process, with the process's RSS, the
+          checkpoints spilled to the SSD and the budget (--budget) as lines,
+          and each rung the memory governor took as a dotted line
   bottom  each optimizer step's time split into waiting on I/O and the rest
 
 `mlx-pager plot --trace TRACE.json [--step N]`: one optimizer step's timeline
@@ -31,6 +33,7 @@ class Run:
         self.header = header or {}
         self.blocks: List[dict] = []
         self.steps: List[dict] = []
+        self.rungs: List[dict] = []  # the memory governor's ladder (governor.py)
 
     def empty(self) -> bool:
         return not self.blocks and not self.steps
@@ -56,6 +59,8 @@ def load_runs(path) -> List[Run]:
             runs[-1].steps.append(rec)
         elif kind == "block":
             runs[-1].blocks.append(rec)
+        elif kind == "governor":
+            runs[-1].rungs.append(rec)
     return [r for r in runs if not r.empty()]
 
 
@@ -65,37 +70,51 @@ def load_report(path):
     return [b for r in runs for b in r.blocks], [s for r in runs for s in r.steps]
 
 
-def _memory(ax, blocks, budget):
+def _memory(ax, blocks, budget, rungs=()):
     t = [b["t"] for b in blocks]
     mb = 1e6
     pinned = [b["pinned_bytes"] / mb for b in blocks]
     pages = [b["pages_bytes"] / mb for b in blocks]
-    other_mlx = [max(0, (b["mlx_active_bytes"] - b["pinned_bytes"] - b["pages_bytes"])) / mb for b in blocks]
+    ckpt = [b.get("checkpoint_bytes", 0) / mb for b in blocks]
+    other_mlx = [
+        max(0, (b["mlx_active_bytes"] - b["pinned_bytes"] - b["pages_bytes"])) / mb - c for b, c in zip(blocks, ckpt)
+    ]
+    other_mlx = [max(0.0, o) for o in other_mlx]
     cache = [b["mlx_cache_bytes"] / mb for b in blocks]
     rest = [
-        max(0, b["rss_bytes"] / mb - p - q - o - c) for b, p, q, o, c in zip(blocks, pinned, pages, other_mlx, cache)
+        max(0, b["rss_bytes"] / mb - p - q - k - o - c)
+        for b, p, q, k, o, c in zip(blocks, pinned, pages, ckpt, other_mlx, cache)
     ]
     ax.stackplot(
         t,
         pinned,
         pages,
+        ckpt,
         other_mlx,
         cache,
         rest,
         labels=[
             "pinned page (embeddings, head)",
             "block pages",
-            "other MLX (activations, adapters, optimizer)",
+            "checkpoints in memory",
+            "other MLX (working set, adapters, optimizer)",
             "MLX buffer cache",
             "rest of process",
         ],
     )
     ax.plot(t, [b["rss_bytes"] / mb for b in blocks], color="k", lw=1, label="process RSS")
+    spilled = [b.get("spilled_now_bytes", 0) / mb for b in blocks]
+    if any(spilled):
+        ax.plot(t, spilled, color="tab:purple", ls="--", lw=1.2, label="checkpoints spilled to the SSD (not in RAM)")
     if budget:
         ax.axhline(budget / mb, color="r", ls="--", lw=1, label="budget")
+    for r in rungs:
+        if r.get("rung") != "cache" and "t" in r:
+            ax.axvline(r["t"], color="tab:red", lw=0.8, ls=":")
+            ax.annotate(r["rung"], (r["t"], ax.get_ylim()[1]), rotation=90, fontsize=6, va="top", color="tab:red")
     ax.set_xlabel("seconds")
     ax.set_ylabel("MB")
-    ax.legend(loc="upper left", fontsize=7)
+    ax.legend(loc="lower right", fontsize=7, framealpha=0.85)
 
 
 def _steps(ax, steps):
@@ -107,6 +126,15 @@ def _steps(ax, steps):
     ax.set_xlabel("iteration")
     ax.set_ylabel("seconds")
     ax.legend(fontsize=7)
+
+
+def _header_budget(header: dict):
+    from .budget import BudgetError, parse_size
+
+    try:
+        return parse_size(header["memory_budget"]) if header.get("memory_budget") else None
+    except BudgetError:
+        return None
 
 
 def plot_report(path, out, budget=None):
@@ -125,7 +153,7 @@ def plot_report(path, out, budget=None):
         name += f", budget {h['memory_budget']}" if h.get("memory_budget") else ""
         top, bottom = axes[0][k], axes[1][k]
         if run.blocks:
-            _memory(top, run.blocks, budget)
+            _memory(top, run.blocks, budget or _header_budget(h), run.rungs)
         top.set_title(f"{name}\nmemory by component, sampled after every block", fontsize=9)
         if run.steps:
             _steps(bottom, run.steps)

@@ -111,6 +111,14 @@ class Session:
     page_cap: Optional[int] = None  # --page-budget: pages never get more
     ceiling: Optional[placement.Placement] = None  # set by the ladder (replan)
     spill: Optional[object] = None  # spill.SpillStore, once a placement spills
+    live: Optional[dict] = None  # the running step's probe (step.paged_value_and_grad)
+
+    def memory_now(self) -> dict:
+        """Checkpoints held in memory and on the SSD now (memory traces)."""
+        return {
+            "checkpoint_bytes": int((self.live or {}).get("checkpoint_bytes", 0)),
+            "spilled_now_bytes": int(self.spill.live_bytes) if self.spill is not None else 0,
+        }
 
     @property
     def tail_start(self) -> int:

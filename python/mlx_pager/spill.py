@@ -55,6 +55,7 @@ class SpillStore:
         self._lock = threading.Lock()
         self.bytes_written = 0
         self.bytes_read = 0
+        self.live_bytes = 0  # checkpoint bytes on the SSD, written and not yet used
 
     # -------------------------------------------------------------- pages --
     def page_id(self, block: int, slot: int) -> int:
@@ -97,6 +98,7 @@ class SpillStore:
 
         self._writes[(block, slot)] = self._io.submit(write)
         self.bytes_written += h.nbytes
+        self.live_bytes += h.nbytes
 
     def wait(self, block: int, slot: int) -> None:
         f = self._writes.pop((block, slot), None)
@@ -122,6 +124,11 @@ class SpillStore:
         pid = self.page_id(block, slot)
         self.pager.release(pid)
         self.pager.discard(pid)
+        shape, dtype = self._meta[(block, slot)]
+        n = dtype.size
+        for d in shape:
+            n *= d
+        self.live_bytes -= n
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

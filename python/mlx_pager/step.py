@@ -570,6 +570,7 @@ def paged_value_and_grad(
     hs = [mb.h0 for mb in micro_batches]
     saved: Dict[int, List[mx.array]] = {}
     to_ssd = set(range(first, min(s_tail, first + spilled))) if spill is not None else set()
+    held = 0  # bytes of checkpoints in memory (probe["checkpoint_bytes"], for memory traces)
     for i in range(s_tail):
         with weights.bound(i):
             if i in to_ssd:
@@ -578,6 +579,9 @@ def paged_value_and_grad(
                 saved[i] = None
             elif i >= first:
                 saved[i] = hs
+                held += sum(h.nbytes for h in hs)
+                if probe is not None:
+                    probe["checkpoint_bytes"] = held
             # One micro-batch at a time: a batch split to fit keeps one
             # part's working set in memory, not all of them.
             out = []
@@ -627,7 +631,13 @@ def paged_value_and_grad(
     del hs
 
     for i in range(s_tail - 1, first - 1, -1):
-        with weights.bound(i), _checkpoints(saved.pop(i), spill, i, len(micro_batches)) as ins:
+        kept = saved.pop(i)
+        if kept is not None:
+            held -= sum(h.nbytes for h in kept)
+            if probe is not None:
+                probe["checkpoint_bytes"] = held
+        with weights.bound(i), _checkpoints(kept, spill, i, len(micro_batches)) as ins:
+            del kept
             new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(ins, micro_batches)):
                 base = _measure_start(probe) if m == 0 and i == s_tail - 1 else None

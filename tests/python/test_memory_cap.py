@@ -96,3 +96,54 @@ def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data
     lm, lm_peak = run_capped(lm_cmd, CAP, timeout=900)
     assert lm.returncode != 0, "mlx_lm.lora fit under the cap: the test model is too small"
     print(f"mlx_lm.lora under the same cap: exit code {lm.returncode} (peak {lm_peak / 1e6:.0f}MB)")
+
+
+@pytest.fixture
+def long_data(tmp_path):
+    """Records of ~1000 tokens (the sample texts run together)."""
+    texts = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    words = " ".join(texts).split()
+    recs = [{"text": " ".join(words[(i * 600) % len(words) :][:800] or words[:800])} for i in range(8)]
+    write_jsonl(tmp_path / "long" / "train.jsonl", recs)
+    return tmp_path / "long"
+
+
+def test_long_sequences_train_under_cap_by_splitting(models, long_data, tmp_path):
+    """Batches of 4 x ~1000 tokens whose attention alone (4 rows x 4 heads x
+    T^2 floats, several copies per block) is more than the cap holds: the
+    planner splits each batch (and spills or recomputes as it must), the
+    run stays under a hard cap equal to its budget, and the adapters equal
+    mlx_lm.lora --grad-checkpoint's on the same flags (uncapped) to 1e-4."""
+    import mlx.core as mx
+
+    model = models(
+        "llama", None, hidden_size=256, num_hidden_layers=4, intermediate_size=768, vocab_size=1024, dtype="float32"
+    )
+    cap = 420 * 10**6
+    flags = [
+        "--model", str(model), "--train", "--data", str(long_data), "--iters", "3", "--batch-size", "4",
+        "--num-layers", "4", "--max-seq-length", "1024", "--learning-rate", "1e-4", "--seed", "0",
+        "--steps-per-report", "1",
+    ]  # fmt: skip
+    pager_cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", *flags, "--memory-budget", str(cap)]
+    pager_cmd += ["--adapter-path", str(tmp_path / "ad"), "--ssd-cache-dir", str(tmp_path / "c")]
+    pager_cmd += ["--report", str(tmp_path / "r.jsonl")]
+    proc, peak = run_capped(pager_cmd, cap, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 0 < peak <= cap
+    steps = [r for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines()) if r["type"] == "step"]
+    assert len(steps) == 3 and max(s["batch_parts"] for s in steps) > 1, steps
+
+    lm = [sys.executable, "-m", "mlx_lm", "lora", *flags, "--grad-checkpoint", "--adapter-path", str(tmp_path / "lm")]
+    out = __import__("subprocess").run(lm, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref = mx.load(str(tmp_path / "lm" / "adapters.safetensors"))
+    got = mx.load(str(tmp_path / "ad" / "adapters.safetensors"))
+    for k in ref:
+        rel = (mx.linalg.norm((got[k] - ref[k]).flatten()) / mx.linalg.norm(ref[k].flatten())).item()
+        assert rel <= 1e-4, (k, rel)
+    print(
+        f"\n4 x {steps[0]['tokens'] // 4}-token batches under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
+        f"parts {[s['batch_parts'] for s in steps]}, spilled {[s['spilled_blocks'] for s in steps]}, "
+        f"step {[round(s['step_s'], 1) for s in steps]}s"
+    )
