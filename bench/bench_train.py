@@ -1,11 +1,13 @@
 """Training benchmarks against the anchors, side by side in one run.
 
-    python bench/bench_train.py [--out bench_out] [--steps 5] [--shapes compute,read]
+    python bench/bench_train.py [--out bench_out] [--steps 5] [--shapes compute,read,q4]
+                                [--configs mlx-lm,pager 25%,naive]
 
 For each model shape, on the same generated model, data, batch and sequence
 length, each configuration in its own process (so peak RSS is its own):
 
-  mlx-lm           mlx_lm.lora's trainer, fully resident
+  mlx-lm           mlx_lm.lora's trainer, fully resident (skipped, and said
+                   so, where the weights do not fit in memory)
   mlx-lm+ckpt      the same with --grad-checkpoint
   pager @mlx-lm    mlx-pager with a memory budget of resident mlx-lm's own
                    peak RSS (+5%): where no block needs recomputing
@@ -13,16 +15,49 @@ length, each configuration in its own process (so peak RSS is its own):
                    weights (plus the fixed part: process, resident page,
                    adapters, activations); conservative readahead (MIN reads)
   aggr 50..10%     the same with aggressive readahead (more reads, more overlap)
+  auto 50..10%     the readahead depth and mode simulate.choose_readahead
+                   picks from the 'pager' row's measured compute and R (the
+                   automatic choice the trainer makes without --readahead)
   naive            layer streaming (the AirLLM approach) through the same code
                    with paging features off: a one-page budget, no readahead,
                    every block read synchronously when used
-  bound            max(Belady-minimum bytes / R, resident compute): R measured
-                   with dd iflag=direct on the same files in the same run,
-                   compute from the resident mlx-lm step
+  bound            max(Belady-minimum bytes / R, compute), compute the lesser
+                   of resident mlx-lm's step and the row's own compute (its
+                   step less the pager's waits: the pager's step can be
+                   faster than mlx-lm's, never faster than its own compute)
 
-Reports tokens/s, step time (median after the first step), peak RSS and MLX
-peak, bytes read per step and their ratio to Belady's minimum, I/O wait, and
-the ratio to the bound; writes results.json and results.png to --out.
+R is the device's best direct-read rate at the pager's own I/O shape
+(benchlib.read_rate: page-sized O_DIRECT reads, chunks over several I/O
+threads, the best of a few thread x chunk settings), measured on the same
+files in the same run, three times (the best counts); one `dd iflag=direct`
+stream is printed beside it. Compute is shown twice: resident (mlx-lm) and
+with recompute (mlx-lm --grad-checkpoint; per pager row, "comp s": with the
+plan's recompute). A row faster than 0.98x its bound is a measurement bug,
+not a win: the bench says which and exits 1.
+
+Each pager row also shows the step time the simulator (mlx_pager.simulate)
+predicts for it ("pred s"): the row's schedule and per-block compute (each
+block's time less the pager's waits, from on_block), its budget and
+readahead settings, and the read rate at the pager's own setting (4 threads
+x 8 MB chunks; the median of the three measurements).
+
+Shapes (--shapes; `big` is opt-in):
+  compute   long sequences, narrow layers: compute per block dwarfs its read
+  read      short sequences, wide layers: reading a block takes longer than using it
+  q4        4-bit weights (QLoRA, how Mac users train), short sequences; at
+            100/25/10% only (a CPU computes 4-bit blocks slowly)
+  big       >= 8 GB of float32 weights in 20 wide blocks, at 25% and 10%
+            (weights >= 6x the page budget); R on the same files
+
+--configs NAME,...: only the configurations whose names start with one of
+the NAMEs (e.g. `pager 25%,naive`); rows that need another row's figures
+(`pager @mlx-lm` needs mlx-lm's peak, `auto` its `pager` row) are skipped
+without them.
+
+Reports tokens/s, step time (median after the first step) beside the
+predicted one, peak RSS and MLX peak, bytes read per step and their ratio to
+Belady's minimum, I/O wait, and the ratio to the bound; writes results.json
+and results.png to --out.
 """
 
 from __future__ import annotations
@@ -30,11 +65,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import types
 from pathlib import Path
 
-from benchlib import dd_rate, run_worker
+from benchlib import dd_rate, read_rate, run_worker
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,8 +97,49 @@ SHAPES = {
         seq_len=16,
         num_layers=4,
     ),
+    # QLoRA: 4-bit weights. float32 scales and activations: MLX's CPU
+    # quantized matmul is ~40x slower in bf16/f16 (on a Mac, bf16 as
+    # mlx-community models ship). Compute-bound on a CPU at any size
+    # (~14 ns of compute per weight per 16 tokens against ~0.4 ns of read),
+    # so kept small, with fewer rows.
+    "q4": dict(
+        spec=dict(
+            hidden_size=1024,
+            num_hidden_layers=8,
+            intermediate_size=2816,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            bits=4,
+        ),
+        batch_size=1,
+        seq_len=16,
+        num_layers=4,
+        fractions=[1.0, 0.25, 0.1],
+        aggressive=False,
+    ),
+    # >= 8 GB: 20 blocks of 453 MB; the page budget is at most 1/6 of them
+    # (25% and 10%: 5 and 2 blocks), so only those rows run.
+    "big": dict(
+        spec=dict(
+            hidden_size=3072,
+            num_hidden_layers=20,
+            intermediate_size=8192,
+            num_attention_heads=24,
+            num_key_value_heads=24,
+            shard_bytes=1 << 30,
+        ),
+        batch_size=1,
+        seq_len=16,
+        num_layers=4,
+        fractions=[0.25, 0.1],
+        aggressive=False,
+    ),
 }
+DEFAULT_SHAPES = "compute,read,q4"
 FRACTIONS = [1.0, 0.5, 0.25, 0.1]
+# A step measured faster than this fraction of its bound is a measurement bug.
+BOUND_SLACK = 0.98
+IO_THREADS = 4  # the trainer's default --io-threads
 
 
 def vm_hwm() -> int:
@@ -140,6 +217,36 @@ def worker_mlx_lm(cfg):
     return {"steps": steps, "peak_rss": vm_hwm(), "mlx_peak": max(r["peak_memory"] for r in reports) * 1e9}
 
 
+def step_marks_callback():
+    """A PagerCallback that keeps, per optimizer step, when it began and
+    ended and when each block's pages were released, each with the pager's
+    cumulative waits (io_wait_s + reclaim_wait_s): what simulate needs for
+    each block's compute."""
+    from mlx_pager.callbacks import PagerCallback
+
+    def waited(stats):
+        return stats["io_wait_s"] + stats["reclaim_wait_s"]
+
+    class StepMarks(PagerCallback):
+        def __init__(self):
+            self.steps = []
+            self.pager = None
+
+        def on_step_begin(self, iteration, stats):
+            self.steps.append({"start": [time.perf_counter(), waited(stats)], "marks": []})
+
+        def on_block(self, weights, phase, block):
+            self.pager = weights.pager
+            if self.steps and "end" not in self.steps[-1]:
+                self.steps[-1]["marks"].append([phase, block, time.perf_counter(), waited(weights.pager.stats())])
+
+        def on_step(self, record):
+            if self.steps and self.pager is not None:
+                self.steps[-1]["end"] = [time.perf_counter(), waited(self.pager.stats())]
+
+    return StepMarks()
+
+
 def worker_pager(cfg):
     from mlx_pager.trainer import DEFAULTS, run
 
@@ -158,8 +265,10 @@ def worker_pager(cfg):
         quiet=True,
         ssd_cache_dir=cfg["cache"],
         readahead_mode=cfg.get("readahead_mode", "conservative"),
+        io_threads=IO_THREADS,
     )
-    res = run(types.SimpleNamespace(**args))
+    marks = step_marks_callback()
+    res = run(types.SimpleNamespace(**args), marks)
     steps = [
         {
             "step_s": s["step_s"],
@@ -175,6 +284,7 @@ def worker_pager(cfg):
     p = res.plan
     return {
         "steps": steps,
+        "marks": [m for m in marks.steps if "end" in m],
         "peak_rss": vm_hwm(),
         "mlx_peak": max(s["mlx_peak"] for s in steps),
         "budget": p.budget,
@@ -183,39 +293,99 @@ def worker_pager(cfg):
         "page_footprints": res.page_footprints,
         "report": str(report),
         "governor": res.governor_events,
+        "settings": [cfg["readahead"], cfg.get("readahead_mode", "conservative"), cfg["policy"]],
     }
 
 
 # ------------------------------------------------------------- orchestrator --
-def belady_per_step(num_blocks, first, footprints, budget, steps=8):
-    """Pages MIN reads per step in steady state, pages charged their own
-    footprints against a byte budget (evict furthest next use until the
-    page fits), as the pager charges them."""
-    seq_one = list(range(num_blocks)) + list(range(num_blocks - 1, first - 1, -1))
-
-    def loads(seq):
-        nxt, last = [0] * len(seq), {}
-        for t in range(len(seq) - 1, -1, -1):
-            nxt[t] = last.get(seq[t], 10**9 + t)
-            last[seq[t]] = t
-        cache, used, n = {}, 0, 0
-        for t, pg in enumerate(seq):
-            if pg not in cache:
-                n += 1
-                while cache and used + footprints[pg] > budget:
-                    victim = max(cache, key=cache.get)
-                    used -= footprints[victim]
-                    del cache[victim]
-                used += footprints[pg]
-            cache[pg] = nxt[t]
-        return n
-
-    return loads(seq_one * steps) - loads(seq_one * (steps - 1))
-
-
 def median_after_first(xs):
     xs = xs[1:] if len(xs) > 1 else xs
     return statistics.median(xs)
+
+
+def estimated_footprint(model: Path) -> int:
+    """A block page's footprint at most, from the model's safetensors index
+    (each block's tensors, each aligned, plus a page of slack), for budgets
+    before a pager row has reported the exact one."""
+    from mlx_pager import read_safetensors_index
+    from mlx_pager._core import IO_ALIGN
+
+    blocks = {}
+    for f in sorted(model.glob("model*.safetensors")):
+        tensors, _, _ = read_safetensors_index(str(f))
+        for name, (_, _, _, nb) in tensors.items():
+            parts = name.split(".")
+            if "layers" in parts:
+                i = parts[parts.index("layers") + 1]
+                blocks[i] = blocks.get(i, 0) + -(-nb // IO_ALIGN) * IO_ALIGN + IO_ALIGN
+    return max(blocks.values()) + 2 * IO_ALIGN
+
+
+def measured_accesses(r):
+    """The row's step as simulate.Access records: its schedule, with each
+    access's compute the median over the steps after the first that ran the
+    same schedule (a step's first one differs: it measures the tail)."""
+    from mlx_pager import simulate
+
+    pages = list(range(len(r["page_footprints"])))
+    per_step = []
+    for st in r["marks"][1:] or r["marks"]:
+        marks = [simulate.BlockMark(*m) for m in st["marks"]]
+        per_step.append(simulate.accesses_from_marks(marks, tuple(st["start"]), tuple(st["end"]), pages))
+    if not per_step:
+        return []
+    ref = [a.pages for a in per_step[-1]]
+    same = [acc for acc in per_step if [a.pages for a in acc] == ref]
+    return [
+        simulate.Access(
+            pages, statistics.median(acc[i].hold_s for acc in same), statistics.median(acc[i].gap_s for acc in same)
+        )
+        for i, pages in enumerate(ref)
+    ]
+
+
+def settings_label(settings) -> str:
+    depth, mode, policy = settings
+    if depth == 0:
+        return f"{policy}, no ra"
+    return f"ra {depth} {mode[:4]}" + ("" if policy == "optimal" else f" {policy}")
+
+
+def pager_figures(r, R, R_pager, compute):
+    """A pager row's MIN, bound and predicted step time (simulate). The bound
+    divides MIN's bytes by R (the device's best) and takes as compute the
+    lesser of resident mlx-lm's step and the row's own compute (its steps
+    less the pager's waits: no step is faster than its own compute, and the
+    pager's can be faster than mlx-lm's); the prediction reads at R_pager
+    (the rate at the pager's own settings)."""
+    from mlx_pager import simulate
+
+    fp = r["page_footprints"]
+    acc = measured_accesses(r)
+    own = sum(a.hold_s + a.gap_s for a in acc) if acc else None
+    compute = min(c for c in (compute, own) if c is not None) if (compute, own) != (None, None) else 0.0
+    total_pages = sum(s["pages_read"] for s in r["steps"])
+    # Pages differ a little in size (in-place pages read through small gaps),
+    # so MIN is counted in pages and priced at the mean page read.
+    page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else statistics.mean(fp)
+    min_pages = simulate.min_pages_per_step(acc, fp, r["page_budget"], steps=8, warmup=2)
+    pred = simulate.simulate(
+        acc,
+        fp,
+        r["page_budget"],
+        simulate.Disk(R_pager, IO_THREADS),
+        simulate.Settings(*r["settings"]),
+        read_bytes=[page_read] * len(fp),
+    )
+    return dict(
+        min_pages=min_pages,
+        min_bytes=min_pages * page_read,
+        bound=max(min_pages * page_read / R, compute),
+        bound_compute=compute,
+        own_compute=own,
+        predicted=pred,
+        accesses=acc,
+    )
 
 
 def main():
@@ -224,31 +394,51 @@ def main():
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "mlx-pager"))
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--shapes", default="compute,read")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--configs", default=None, help="comma-separated name prefixes of the rows to run (default: all)")
     a = ap.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(json.loads(a.worker))))
         return
+    a.configs = [c.strip() for c in a.configs.split(",")] if a.configs else None
+    unknown = [n for n in a.shapes.split(",") if n not in SHAPES]
+    if unknown:
+        ap.error(f"unknown shape(s) {', '.join(unknown)}: choose from {', '.join(SHAPES)}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {}
+    summary, violations = {}, []
     for name in a.shapes.split(","):
         summary[name] = bench_one(name, SHAPES[name], a, out_dir)
+        violations += [f"shape '{name}', {v}" for v in summary[name]["bound_violations"]]
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out_dir / "results.png")
     print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'results.png'}")
+    if violations:
+        print(
+            f"\nFAILED: {len(violations)} row(s) ran faster than {BOUND_SLACK}x their lower bound, which is "
+            "impossible: the bound's R or compute is mis-measured (a measurement bug, not a win):"
+        )
+        for v in violations:
+            print(f"  {v}")
+        sys.exit(1)
 
 
 def bench_one(name, shape, a, out_dir):
-    from mlx_pager import modelgen
+    import psutil
 
-    spec = modelgen.ModelSpec(arch="llama", vocab_size=1024, dtype="float32", bits=None, seed=0, **shape["spec"])
+    from mlx_pager import modelgen, simulate
+
+    spec_kw = dict(arch="llama", vocab_size=1024, dtype="float32", bits=None, seed=0)
+    spec_kw.update(shape["spec"])
+    spec = modelgen.ModelSpec(**spec_kw)
+    t = time.perf_counter()
     model = modelgen.generate_model(Path(a.cache) / f"bench-{name}-{spec.key()}", spec)
+    made = time.perf_counter() - t
     data = make_data(out_dir / f"data-{name}", shape["seq_len"])
     files = sorted(model.glob("model*.safetensors"))
     W = modelgen.weight_bytes(model)
     L = shape["spec"]["num_hidden_layers"]
-    first = L - shape["num_layers"]
+    fractions = shape.get("fractions", FRACTIONS)
     base = dict(
         model=str(model),
         data=str(data),
@@ -258,125 +448,218 @@ def bench_one(name, shape, a, out_dir):
         num_layers=shape["num_layers"],
         cache=str(out_dir / "swap"),
     )
+    kind = f"{spec.bits}-bit" if spec.bits else spec.dtype
     print(
-        f"\n== shape '{name}': {L} blocks, {W / 1e9:.2f}GB float32 weights, batch "
-        f"{shape['batch_size']} x {shape['seq_len']} tokens, LoRA on the last {shape['num_layers']} blocks",
+        f"\n== shape '{name}': {L} blocks, {W / 1e9:.2f}GB {kind} weights, batch "
+        f"{shape['batch_size']} x {shape['seq_len']} tokens, LoRA on the last {shape['num_layers']} blocks"
+        f" (model ready in {made:.0f}s)",
         flush=True,
     )
-    R = [dd_rate(files)]
+    footprint = estimated_footprint(model)
+    dd_files = [f for i, f in enumerate(files) if sum(g.stat().st_size for g in files[:i]) < 1 << 30]  # ~1 GB
+    rates, own_rates, tried, dd = [], [], [], []
+
+    def measure_rate():
+        # The files the pager reads: the model's, and its swap file if any.
+        swaps = sorted((out_dir / "swap").rglob("*.swap")) if (out_dir / "swap").exists() else []
+        best, t = read_rate(files + swaps, footprint)
+        rates.append(best)
+        own_rates.append(
+            next(x["bytes_per_s"] for x in t if x["threads"] == IO_THREADS and x["chunk_bytes"] == 8 << 20)
+        )
+        tried.extend(t)
+        dd.append(dd_rate(dd_files))
+
+    def want(cfg_name):
+        return a.configs is None or any(cfg_name.startswith(c) for c in a.configs)
+
     results = {}
 
     def go(cfg_name, **kw):
+        if not want(cfg_name):
+            return
         cfg = dict(base, name=cfg_name, adapter_path=str(out_dir / f"ad-{name}-{cfg_name.replace(' ', '_')}"), **kw)
         t = time.perf_counter()
         results[cfg_name] = run_worker(__file__, cfg)
-        print(f"   {cfg_name:<12} ran in {time.perf_counter() - t:5.1f}s", flush=True)
+        print(f"   {cfg_name:<13} ran in {time.perf_counter() - t:5.1f}s", flush=True)
 
-    go("mlx-lm", kind="mlx-lm", grad_checkpoint=False)
-    go("mlx-lm+ckpt", kind="mlx-lm", grad_checkpoint=True)
-    # The budget resident mlx-lm itself needed (its peak RSS, +5%): where the
-    # no-recompute tail segment can hold every trained block.
-    go(
-        "pager @mlx-lm",
-        kind="pager",
-        page_budget=None,
-        memory_budget=str(int(1.05 * results["mlx-lm"]["peak_rss"])),
-        readahead=4,
-        policy="optimal",
-    )
-    paged = W  # page budgets are fractions of the paged weights
-    footprint = None
-    for f in FRACTIONS:
+    def pct(f):
+        return f"{int(f * 100)}%"
+
+    def page_budget(f):
         # 100%: every page fits (page frames carry a little alignment slack).
         # Never below one page: a budget must hold the block in use.
-        budget = int(1.1 * paged) if f == 1 else max(int(f * paged), footprint)
-        go(f"pager {int(f * 100)}%", kind="pager", page_budget=budget, readahead=4, policy="optimal")
-        footprint = results[f"pager {int(f * 100)}%"]["page_footprint"]
-    R.append(dd_rate(files))
-    for f in FRACTIONS[1:]:
-        budget = max(int(f * paged), footprint)
+        return int(1.1 * W) if f == 1 else max(int(f * W), footprint)
+
+    measure_rate()
+    resident_fits = 1.5 * W < psutil.virtual_memory().available
+    if resident_fits:
+        go("mlx-lm", kind="mlx-lm", grad_checkpoint=False)
+        go("mlx-lm+ckpt", kind="mlx-lm", grad_checkpoint=True)
+    else:
+        print(f"   mlx-lm       skipped: {W / 1e9:.1f}GB of weights do not fit in this machine's memory")
+    if "mlx-lm" in results:
+        # The budget resident mlx-lm itself needed (its peak RSS, +5%): where
+        # the no-recompute tail segment can hold every trained block.
         go(
-            f"aggr {int(f * 100)}%",
+            "pager @mlx-lm",
             kind="pager",
-            page_budget=budget,
+            page_budget=None,
+            memory_budget=str(int(1.05 * results["mlx-lm"]["peak_rss"])),
             readahead=4,
             policy="optimal",
-            readahead_mode="aggressive",
+        )
+    pager = dict(kind="pager", readahead=4, policy="optimal")
+    for f in fractions:
+        go(f"pager {pct(f)}", page_budget=page_budget(f), **pager)
+        if f"pager {pct(f)}" in results:
+            footprint = results[f"pager {pct(f)}"]["page_footprint"]
+    measure_rate()
+    for f in [f for f in fractions if f < 1] if shape.get("aggressive", True) else []:
+        go(f"aggr {pct(f)}", page_budget=page_budget(f), readahead_mode="aggressive", **pager)
+    for f in [f for f in fractions if f < 1]:
+        r = results.get(f"pager {pct(f)}")
+        if r is None or not want(f"auto {pct(f)}"):
+            continue
+        chosen = simulate.choose_readahead(
+            measured_accesses(r),
+            r["page_footprints"],
+            r["page_budget"],
+            simulate.Disk(statistics.median(own_rates), IO_THREADS),
+        )
+        s = chosen.settings
+        go(
+            f"auto {pct(f)}",
+            kind="pager",
+            page_budget=page_budget(f),
+            readahead=s.readahead,
+            readahead_mode=s.mode,
+            policy=s.policy,
         )
     go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru")
-    R.append(dd_rate(files))
-    R_med = statistics.median(R)
+    measure_rate()
+    R, R_pager = max(rates), statistics.median(own_rates)
 
-    compute = median_after_first([s["step_s"] for s in results["mlx-lm"]["steps"]])
-    resident_tps = median_after_first([s["tokens_per_s"] for s in results["mlx-lm"]["steps"]])
-    rows = []
-    naive_tps = median_after_first([s["tokens_per_s"] for s in results["naive"]["steps"]])
+    def med(cfg, key):
+        return median_after_first([s[key] for s in results[cfg]["steps"]]) if cfg in results else None
+
+    compute, recompute = med("mlx-lm", "step_s"), med("mlx-lm+ckpt", "step_s")
+    resident_tps, naive_tps = med("mlx-lm", "tokens_per_s"), med("naive", "tokens_per_s")
+    rows, violations = [], []
     for cfg_name, r in results.items():
-        st = median_after_first([s["step_s"] for s in r["steps"]])
-        tps = median_after_first([s["tokens_per_s"] for s in r["steps"]])
         row = {
             "config": cfg_name,
-            "step_s": st,
-            "tokens_per_s": tps,
+            "step_s": med(cfg_name, "step_s"),
+            "tokens_per_s": med(cfg_name, "tokens_per_s"),
             "peak_rss": r["peak_rss"],
             "mlx_peak": r["mlx_peak"],
-            "vs_resident": tps / resident_tps,
         }
+        if resident_tps:
+            row["vs_resident"] = row["tokens_per_s"] / resident_tps
         if "page_budget" in r:
-            # Pages differ a little in size (in-place pages read through small
-            # gaps), so MIN is counted in pages and priced at the mean page read.
-            k = r["page_budget"] / r["page_footprint"]
-            min_pages = belady_per_step(L, first, r["page_footprints"], r["page_budget"])
-            pages_step = median_after_first([s["pages_read"] for s in r["steps"]])
-            bytes_step = median_after_first([s["bytes_read"] for s in r["steps"]])
-            total_pages = sum(s["pages_read"] for s in r["steps"])
-            page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else 0
-            io = median_after_first([s["io_wait_s"] for s in r["steps"]])
-            bound = max(min_pages * page_read / R_med, compute)
+            fig = pager_figures(r, R, R_pager, compute)
+            pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]
             row.update(
+                settings=settings_label(r["settings"]),
                 budget=r["budget"],
                 page_budget=r["page_budget"],
-                k_pages=round(k, 2),
+                k_pages=round(r["page_budget"] / r["page_footprint"], 2),
                 pages_per_step=pages_step,
                 belady_pages=min_pages,
-                bytes_per_step=bytes_step,
-                belady_bytes=min_pages * page_read,
+                bytes_per_step=med(cfg_name, "bytes_read"),
+                belady_bytes=fig["min_bytes"],
                 vs_belady=pages_step / min_pages if min_pages else (1.0 if pages_step == 0 else float("inf")),
-                io_wait_s=io,
-                bound_s=bound,
-                vs_bound=st / bound,
-                vs_naive=tps / naive_tps,
+                io_wait_s=med(cfg_name, "io_wait_s"),
+                compute_s=fig["own_compute"],
+                bound_s=fig["bound"],
+                vs_bound=row["step_s"] / fig["bound"],
+                predicted_s=fig["predicted"].step_s,
+                predicted_io_wait_s=fig["predicted"].io_wait_s,
+                vs_predicted=row["step_s"] / fig["predicted"].step_s,
                 report=r.get("report"),
+                governor=r.get("governor"),
             )
+            if naive_tps:
+                row["vs_naive"] = row["tokens_per_s"] / naive_tps
+            if row["vs_bound"] < BOUND_SLACK:
+                violations.append(
+                    f"'{cfg_name}': {row['step_s']:.3f}s/step is {row['vs_bound']:.2f}x its bound "
+                    f"{fig['bound']:.3f}s (MIN {fig['min_bytes'] / 1e9:.2f}GB at R {R / 1e9:.2f}GB/s, "
+                    f"compute {fig['bound_compute']:.3f}s)"
+                )
         rows.append(row)
 
-    print(f"   disk (dd iflag=direct): {R_med / 1e9:.2f} GB/s; resident compute {compute:.2f}s/step")
-    hdr = (
-        f"   {'config':<12} {'step s':>7} {'tok/s':>8} {'vs res':>6} {'peak RSS':>9} {'MLX peak':>9} "
-        f"{'GB/step':>8} {'vs MIN':>6} {'I/O s':>6} {'bound s':>7} {'vs bnd':>6} {'vs naive':>8}"
+    best = max(tried, key=lambda t: t["bytes_per_s"])
+    print(
+        f"   disk: R {R / 1e9:.2f}GB/s (best of {len(tried)} direct reads at the pager's I/O shape, "
+        f"{best['threads']} threads x {best['chunk_bytes'] >> 20}MB chunks; per measurement "
+        f"{', '.join(f'{x / 1e9:.2f}' for x in rates)}); at the pager's own {IO_THREADS} threads x 8MB "
+        f"{R_pager / 1e9:.2f}GB/s (median, the simulator's rate); one dd iflag=direct stream "
+        f"{statistics.median(dd) / 1e9:.2f}GB/s"
     )
-    print(hdr)
-    for row in rows:
-        line = (
-            f"   {row['config']:<12} {row['step_s']:>7.2f} {row['tokens_per_s']:>8.1f} "
-            f"{row['vs_resident']:>6.2f} {row['peak_rss'] / 1e9:>8.2f}G {row['mlx_peak'] / 1e9:>8.2f}G"
+    if compute is not None:
+        print(
+            f"   compute per step: resident {compute:.2f}s (mlx-lm), with recompute "
+            f"{recompute:.2f}s (mlx-lm --grad-checkpoint)"
+            if recompute is not None
+            else f"   compute per step: resident {compute:.2f}s (mlx-lm)"
         )
-        if "bound_s" in row:
-            line += (
-                f" {row['bytes_per_step'] / 1e9:>8.2f} {row['vs_belady']:>6.2f} {row['io_wait_s']:>6.2f} "
-                f"{row['bound_s']:>7.2f} {row['vs_bound']:>6.2f} {row['vs_naive']:>8.2f}"
-            )
-        print(line)
+    else:
+        print("   compute per step: resident not measured (no mlx-lm row); each bound takes its row's own compute")
+    print_rows(rows)
+    for v in violations:
+        print(f"   BOUND VIOLATED: {v}")
     return {
         "weights_bytes": W,
         "blocks": L,
-        "first_trained": first,
-        "disk_Bps": R_med,
-        "disk_samples": R,
+        "first_trained": L - shape["num_layers"],
+        "disk_Bps": R,
+        "disk_samples": rates,
+        "disk_pager_Bps": R_pager,
+        "disk_settings": tried,
+        "dd_Bps": dd,
         "resident_step_s": compute,
+        "recompute_step_s": recompute,
         "shape": shape,
         "rows": rows,
+        "bound_violations": violations,
     }
+
+
+# The table: (header, width, format, row key, scale); a row without the key
+# prints blanks there.
+COLUMNS = [
+    ("config", 13, "<", "config", None),
+    ("step s", 7, ".2f", "step_s", 1),
+    ("pred s", 7, ".2f", "predicted_s", 1),
+    ("tok/s", 8, ".1f", "tokens_per_s", 1),
+    ("vs res", 6, ".2f", "vs_resident", 1),
+    ("RSS GB", 7, ".2f", "peak_rss", 1e-9),
+    ("MLX GB", 7, ".2f", "mlx_peak", 1e-9),
+    ("GB/step", 8, ".2f", "bytes_per_step", 1e-9),
+    ("vs MIN", 6, ".2f", "vs_belady", 1),
+    ("I/O s", 6, ".2f", "io_wait_s", 1),
+    ("comp s", 6, ".2f", "compute_s", 1),
+    ("bound s", 7, ".2f", "bound_s", 1),
+    ("vs bnd", 6, ".2f", "vs_bound", 1),
+    ("vs naive", 8, ".2f", "vs_naive", 1),
+    ("readahead", 14, "<", "settings", None),
+]
+
+
+def print_rows(rows):
+    print("   " + " ".join(f"{h:{'<' if f == '<' else '>'}{w}}" for h, w, f, _, _ in COLUMNS))
+    for row in rows:
+        cells = []
+        for _, w, f, key, scale in COLUMNS:
+            v = row.get(key)
+            if v is None:
+                cells.append(" " * w)
+            elif f == "<":
+                cells.append(f"{v:<{w}}")
+            else:
+                cells.append(f"{v * scale:>{w}{f}}")
+        print("   " + " ".join(cells).rstrip())
 
 
 def plot(summary, path):
@@ -392,37 +675,46 @@ def plot(summary, path):
     for j, name in enumerate(shapes):
         s = summary[name]
         pager_rows = [r for r in s["rows"] if r["config"].startswith("pager")]
-        aggr_rows = [r for r in s["rows"] if r["config"].startswith("aggr")]
-        x = [r["page_budget"] / s["weights_bytes"] * 100 for r in pager_rows]
         ax = axes[0][j]
-        ax.plot(x, [r["step_s"] for r in pager_rows], "o-", label="mlx-pager step time")
-        ax.plot(
-            [r["page_budget"] / s["weights_bytes"] * 100 for r in aggr_rows],
-            [r["step_s"] for r in aggr_rows],
-            "^-",
-            label="mlx-pager, aggressive readahead",
-        )
+
+        def pct(rows, s=s):
+            return [r["page_budget"] / s["weights_bytes"] * 100 for r in rows]
+
+        for prefix, marker, label in (
+            ("pager", "o-", "mlx-pager step time"),
+            ("aggr", "^-", "mlx-pager, aggressive readahead"),
+            ("auto", "v-", "mlx-pager, automatic readahead"),
+        ):
+            series = [r for r in s["rows"] if r["config"].startswith(prefix)]
+            if series:
+                ax.plot(pct(series), [r["step_s"] for r in series], marker, label=label)
+        x = pct(pager_rows)
         ax.plot(x, [r["bound_s"] for r in pager_rows], "k--", label="lower bound")
+        ax.plot(x, [r["predicted_s"] for r in pager_rows], "kx", label="simulator's prediction")
         for r in s["rows"]:
-            if not r["config"].startswith(("pager", "aggr")):
+            if not r["config"].startswith(("pager", "aggr", "auto")):
                 ax.axhline(
                     r["step_s"],
                     ls=":",
                     lw=1,
                     label=f"{r['config']} step time",
-                    color={"mlx-lm": "g", "mlx-lm+ckpt": "c", "naive": "r"}[r["config"]],
+                    color={"mlx-lm": "g", "mlx-lm+ckpt": "c", "naive": "r"}.get(r["config"], "k"),
                 )
         ax.set_xlabel("page budget, % of weights")
         ax.set_ylabel("seconds per step")
         ax2 = ax.twinx()
         ax2.plot(x, [r["peak_rss"] / 1e9 for r in pager_rows], "s-", color="tab:orange", label="peak RSS")
-        ax2.axhline(s["rows"][0]["peak_rss"] / 1e9, color="tab:orange", ls=":", lw=1, label="mlx-lm peak RSS")
+        resident = [r for r in s["rows"] if r["config"] == "mlx-lm"]
+        if resident:
+            ax2.axhline(resident[0]["peak_rss"] / 1e9, color="tab:orange", ls=":", lw=1, label="mlx-lm peak RSS")
         ax2.set_ylabel("GB (peak RSS)")
         ax.set_title(f"shape '{name}': step time and peak memory vs budget")
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7)
         # memory by component over one step of the 25% run
+        if not pager_rows:
+            continue
         row = next((r for r in pager_rows if r["config"] == "pager 25%"), pager_rows[-1])
         blocks, steps = load_report(row["report"])
         ax = axes[1][j]
@@ -454,7 +746,7 @@ def plot(summary, path):
             ax.set_xlabel("seconds into the step")
             ax.set_ylabel("MB")
             ax.legend(fontsize=7, loc="upper left")
-        ax.set_title(f"'{name}', 25% budget: memory by component over one step")
+        ax.set_title(f"'{name}', {row['config']}: memory by component over one step")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -1,6 +1,8 @@
 """What the benchmarks share: running one configuration in its own process
 (so its peak RSS is its own, with OpenBLAS preloaded as the CLI does), and
-the direct-read rate of files with dd."""
+the direct-read rate of files: the device's best at the pager's own I/O
+shape (read_rate, the rate an honest bound divides by), and one `dd` stream
+for comparison (dd_rate)."""
 
 from __future__ import annotations
 
@@ -39,3 +41,33 @@ def dd_rate(files) -> float:
         subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
         total += f.stat().st_size
     return total / (time.perf_counter() - t)
+
+
+# (I/O threads, chunk bytes) tried by read_rate: the pager's own (4, 8 MiB)
+# and its neighbours; the best is the device's rate at the pager's shape.
+READ_SETTINGS = [(4, 8 << 20), (2, 8 << 20), (8, 8 << 20), (4, 2 << 20), (4, 32 << 20), (1, 32 << 20)]
+
+
+def read_rate(files, page_bytes: int, settings=READ_SETTINGS, max_seconds: float = 1.0, max_bytes: int = 1 << 30):
+    """The best direct-read rate (bytes/s) of `files` read as the pager reads
+    them (mlx_pager._core.measure_read_rate: page_bytes batches, two in
+    flight, chunks over several I/O threads, O_DIRECT), over `settings`.
+    Returns (best, tried): tried has one dict per setting."""
+    from mlx_pager._core import measure_read_rate
+
+    tried = []
+    for threads, chunk in settings:
+        r = measure_read_rate(
+            [str(f) for f in files],
+            threads=threads,
+            chunk_bytes=chunk,
+            batch_bytes=max(1 << 20, int(page_bytes)),
+            max_bytes=max_bytes,
+            max_seconds=max_seconds,
+        )
+        if not r["direct"]:
+            raise RuntimeError(
+                f"{files[0]}: the file system refuses direct I/O, so a read rate would measure the page cache"
+            )
+        tried.append(r)
+    return max(r["bytes_per_s"] for r in tried), tried
