@@ -38,6 +38,7 @@ import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # Page states (page_table.h).
@@ -705,3 +706,77 @@ def read_rate_for_session(paths: Sequence[str], page_bytes: int, io_threads: int
         max_seconds=max_seconds,
     )
     return float(r["bytes_per_s"])
+
+
+class AutoReadahead:
+    """The automatic readahead choice of a training run (no --readahead):
+    after the `after`-th optimizer step (the first measures the tail and
+    reads cold), picks the readahead depth and mode from that step's
+    per-block compute (on_block marks less the pager's waits), the page
+    budget, and the read rate of the files the pager reads (measured once,
+    read_rate_for_session), and sets them on the pager (tune_readahead). It
+    chooses again after a later step when the page budget or the step's
+    schedule changed (the governor, the tail's placement).
+
+    A callback object for the trainer's Callbacks (it has the hooks it needs:
+    on_session, on_step_begin, on_block, on_step). `say(text)`: told each
+    choice. `rate`: bytes/s, to skip the measurement (tests)."""
+
+    def __init__(self, after: int = 2, say=None, rate: Optional[float] = None, max_extra=DEFAULT_EXTRA_READS):
+        self.after, self.say, self.rate, self.max_extra = after, say, rate, max_extra
+        self.session = None
+        self.steps = 0
+        self.chosen: Optional[Prediction] = None
+        self._start = None
+        self._marks: List[BlockMark] = []
+        self._key = None
+
+    @staticmethod
+    def _waited(stats) -> float:
+        return stats["io_wait_s"] + stats["reclaim_wait_s"]
+
+    def on_session(self, session):
+        self.session = session
+
+    def on_step_begin(self, iteration, stats):
+        import time
+
+        self.steps += 1
+        self._start = (time.perf_counter(), self._waited(stats))
+        self._marks = []
+
+    def on_block(self, weights, phase, block):
+        import time
+
+        if self._start is not None and phase in ("forward", "tail", "backward"):
+            self._marks.append(BlockMark(phase, block, time.perf_counter(), self._waited(weights.pager.stats())))
+
+    def on_step(self, record):
+        import time
+
+        s, start = self.session, self._start
+        self._start = None
+        if s is None or start is None or self.steps < self.after or not self._marks:
+            return
+        pager = s.weights.pager
+        end = (time.perf_counter(), self._waited(pager.stats()))
+        acc = accesses_from_marks(self._marks, start, end, range(len(s.page_footprints)))
+        budget = int(s.gov.page_budget)
+        key = (budget, tuple(a.pages for a in acc))
+        if key == self._key:
+            return
+        self._key = key
+        if self.rate is None:
+            files = sorted(Path(s.weights.model_path).glob("model*.safetensors"))
+            if getattr(s.weights, "swap_path", None):
+                files.insert(0, Path(s.weights.swap_path))
+            self.rate = read_rate_for_session(files, max(s.page_footprints), s.args.io_threads)
+        self.chosen = tune_readahead(
+            pager, acc, s.page_footprints, budget, self.rate, s.args.io_threads, s.args.policy, self.max_extra
+        )
+        if self.say is not None:
+            p = self.chosen
+            self.say(
+                f"Readahead: {p.settings.readahead} pages, {p.settings.mode} (predicted {p.step_s:.2f}s/step, "
+                f"{p.bytes_read / 1e9:.2f}GB read/step at {self.rate / 1e9:.2f}GB/s)"
+            )

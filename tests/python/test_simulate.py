@@ -284,3 +284,47 @@ def test_read_rate_of_a_file(tmp_path):
     r = measure_read_rate([str(f)], threads=2, chunk_bytes=1 << 20, batch_bytes=4 << 20)
     assert r["bytes"] == 12 << 20 and r["bytes_per_s"] > 0 and r["direct"]
     assert sim.read_rate_for_session([f], 4 << 20, 2) > 0
+
+
+# ------------------------------------------------ the trainer's choice ----
+def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
+    """As a trainer callback: after the second step it sets the running
+    pager's readahead depth and mode from that step, and the run goes on."""
+    import types
+
+    from mlx_pager.callbacks import Callbacks
+    from mlx_pager.trainer import DEFAULTS, run
+
+    model = models("llama", None, num_hidden_layers=6, dtype="float32", vocab_size=512)
+    said = []
+    auto = sim.AutoReadahead(say=said.append, rate=1e9)
+    opened = None
+
+    class Grab:
+        def on_session(self, session):
+            nonlocal opened
+            opened = session
+
+    args = dict(
+        DEFAULTS,
+        model=str(model),
+        data=str(train_only_data),
+        train=True,
+        iters=4,
+        batch_size=2,
+        num_layers=3,
+        steps_per_report=10,
+        steps_per_eval=1000,
+        save_every=1000,
+        adapter_path=str(tmp_path / "ad"),
+        ssd_cache_dir=str(tmp_path / "cache"),
+        quiet=True,
+        readahead=0,
+        page_budget=None,
+    )
+    res = run(types.SimpleNamespace(**args), Callbacks([auto, Grab()]))
+    assert len(res.steps) == 4
+    assert auto.chosen is not None and said and said[0].startswith("Readahead: ")
+    # The pager runs with the choice (set_readahead returns the current depth).
+    assert opened.weights.pager.set_readahead(0) == auto.chosen.settings.readahead
+    assert opened.weights.pager.set_readahead_mode("conservative") == auto.chosen.settings.mode
