@@ -48,7 +48,9 @@ def dd_rate(files) -> float:
 READ_SETTINGS = [(4, 8 << 20), (2, 8 << 20), (8, 8 << 20), (4, 2 << 20), (4, 32 << 20), (1, 32 << 20)]
 
 
-def read_rate(files, page_bytes: int, settings=READ_SETTINGS, max_seconds: float = 1.0, max_bytes: int = 1 << 30):
+def read_rate(
+    files, page_bytes: int = 64 << 20, settings=READ_SETTINGS, max_seconds: float = 1.0, max_bytes: int = 1 << 30
+):
     """The best direct-read rate (bytes/s) of `files` read as the pager reads
     them (mlx_pager._core.measure_read_rate: page_bytes batches, two in
     flight, chunks over several I/O threads, O_DIRECT), over `settings`.
