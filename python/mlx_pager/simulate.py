@@ -716,7 +716,8 @@ class AutoReadahead:
     budget, and the read rate of the files the pager reads (measured once,
     read_rate_for_session), and sets them on the pager (tune_readahead). It
     chooses again after a later step when the page budget or the step's
-    schedule changed (the governor, the tail's placement).
+    schedule changed (the tail's placement); never once the governor has
+    degraded, nor while checkpoints are spilled through the pager.
 
     A callback object for the trainer's Callbacks (it has the hooks it needs:
     on_session, on_step_begin, on_block, on_step). `say(text)`: told each
@@ -757,6 +758,11 @@ class AutoReadahead:
         s, start = self.session, self._start
         self._start = None
         if s is None or start is None or self.steps < self.after or not self._marks:
+            return
+        if getattr(s.gov, "events", None) or getattr(getattr(s, "placement", None), "spilled", 0):
+            # The governor degraded (it may have turned readahead off), or
+            # checkpoints are spilled through the pager (pages the simulator
+            # does not model): leave the pager as it is.
             return
         pager = s.weights.pager
         end = (time.perf_counter(), self._waited(pager.stats()))
