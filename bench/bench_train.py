@@ -369,6 +369,8 @@ def pager_figures(r, R, R_pager, compute):
     # so MIN is counted in pages and priced at the mean page read.
     page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else statistics.mean(fp)
     min_pages = simulate.min_pages_per_step(acc, fp, r["page_budget"], steps=8, warmup=2)
+    if not acc:
+        raise RuntimeError(f"{r['report']}: no complete training step was recorded")
     pred = simulate.simulate(
         acc,
         fp,
