@@ -82,8 +82,16 @@ def _lora_parser() -> argparse.ArgumentParser:
                 "(full is refused: it would train the weights mlx-pager pages.)"
             )
         elif action.dest == "grad_checkpoint":
-            action.help = "Accepted for compatibility: mlx-pager always checkpoints blocks."
-    g = _paging_flags(parser, fill_later=True, readahead="Blocks to read ahead (default 2; 0 = off).")
+            action.help = (
+                "Accepted for compatibility: mlx-pager plans per step which blocks keep their graph, "
+                "are checkpointed and recomputed, or spill their checkpoints to the SSD."
+            )
+    g = _paging_flags(
+        parser,
+        fill_later=True,
+        readahead="Blocks to read ahead (0 = off; default: chosen after the second step from the "
+        "measured compute and read rate, by the step-time simulator).",
+    )
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
     g.add_argument(
         "--trace",

@@ -18,6 +18,7 @@ order it must happen:
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -160,9 +161,13 @@ class Session:
         return self.spill
 
     def close(self):
+        """The run is over: the spill file goes, and MLX's cache (which the
+        plan let grow into the budget's unused room) is emptied."""
         if self.spill is not None:
             self.spill.close()
             self.spill = None
+        self.weights.pager.evict_all()
+        release_heap()
 
     @property
     def pool(self) -> int:
@@ -180,6 +185,12 @@ class Session:
         page_budget = self.plan.page_budget if self.page_cap is None else min(self.page_cap, self.plan.page_budget)
         self.gov.set_page_budget(page_budget)
         self.gov.min_page_budget = p.pages
+        # Room the pages will never fill (the budget holds the whole model)
+        # may keep MLX's freed buffers for reuse, as resident mlx-lm's cache
+        # does: the next step's activations land in memory already mapped
+        # instead of faulting fresh pages in.
+        unused = max(0, page_budget - sum(self.shape.footprints))
+        mx.set_cache_limit(int(self.plan.slack + unused))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
 
@@ -330,6 +341,10 @@ def open_session(
     from ._core import IO_ALIGN
 
     model.freeze()
+    # What an earlier run in this process left (its pages, until its objects
+    # are collected; MLX's cache) is not this run's baseline.
+    gc.collect()
+    release_heap()
     # The process's baseline, measured before a swap file may be written:
     # writing one leaves heap behind (given back below), and the budget's
     # minimum must not depend on whether this run wrote it.
@@ -342,7 +357,8 @@ def open_session(
         store=args.store,
         pager_options=dict(
             policy=args.policy,
-            readahead=args.readahead,
+            # no --readahead: 2 until the measured step chooses (simulate.AutoReadahead)
+            readahead=args.readahead if args.readahead is not None else 2,
             io_threads=args.io_threads,
             direct_io=args.direct_io,
             readahead_mode=args.readahead_mode,

@@ -701,7 +701,9 @@ def read_rate_for_session(paths: Sequence[str], page_bytes: int, io_threads: int
     r = measure_read_rate(
         [str(p) for p in paths],
         threads=io_threads,
-        batch_bytes=max(1 << 20, int(page_bytes)),
+        # at most 2 x 16 MB in flight: the measurement's buffers are outside
+        # the pager's budget, so they stay small beside it
+        batch_bytes=min(16 << 20, max(1 << 20, int(page_bytes))),
         max_bytes=1 << 30,
         max_seconds=max_seconds,
     )

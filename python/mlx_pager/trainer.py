@@ -73,7 +73,7 @@ DEFAULTS = {
     "ssd_cache_dir": str(Path.home() / ".cache" / "mlx-pager"),
     "store": "auto",
     "policy": "optimal",
-    "readahead": 2,
+    "readahead": None,  # None: chosen from the measured step (simulate.AutoReadahead)
     "readahead_mode": "conservative",
     "io_threads": 4,
     "direct_io": True,
@@ -202,8 +202,15 @@ def _callbacks(args, training_callback) -> Callbacks:
     several ranks (mlx.launch) only rank 0 reports."""
     from mlx_lm.tuner.callbacks import get_reporting_callbacks
 
+    # No --readahead: the readahead depth and mode are chosen from the
+    # measured step (simulate.AutoReadahead), on every rank's own pager.
+    auto = []
+    if args.readahead is None and args.train:
+        from .simulate import AutoReadahead
+
+        auto = [AutoReadahead()]
     if mx.distributed.init().rank() != 0:
-        return Callbacks([training_callback])
+        return Callbacks([*auto, training_callback])
     config = {k: v for k, v in vars(args).items() if k != "quiet"}
     loggers = get_reporting_callbacks(
         args.report_to, project_name=args.project_name, log_dir=args.adapter_path, config=config
@@ -250,7 +257,9 @@ def _callbacks(args, training_callback) -> Callbacks:
                 run_info={"model": str(args.model), "memory_budget": args.memory_budget, "iters": args.iters},
             )
         )
-    cbs += [loggers, training_callback]
+    for a in auto:
+        a.say = cbs[0].on_message if cbs and isinstance(cbs[0], ConsoleReport) else None
+    cbs += [*auto, loggers, training_callback]
     return Callbacks(cbs)
 
 
