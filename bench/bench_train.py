@@ -134,8 +134,30 @@ SHAPES = {
         fractions=[0.25, 0.15, 0.1],
         aggressive=False,
     ),
+    # Long sequences (issue 8): batches of 4 x 1024 tokens, whose activations
+    # (attention scores alone: 4 rows x 8 heads x 1024^2 floats, several
+    # copies a block) are what does not fit. Rows: resident mlx-lm (the
+    # footprint and the speed to compare with), mlx-lm --grad-checkpoint (the
+    # adapters to compare with), and mlx-pager at `budget` under a hard
+    # cgroup cap of the same size, where the earlier planner refused the run
+    # (its fixed estimate needed ~1.5 GB). A budget of 25% of these weights
+    # (~0.1 GB) is below what the process itself needs before any weight.
+    "long": dict(
+        spec=dict(
+            hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=8
+        ),
+        batch_size=4,
+        seq_len=1024,
+        num_layers=4,
+        fractions=[],
+        aggressive=False,
+        naive=False,
+        at_mlx_lm=False,
+        capped_budget=680_000_000,
+        steps=3,
+    ),
 }
-DEFAULT_SHAPES = "compute,read,q4"
+DEFAULT_SHAPES = "compute,read,q4,long"
 FRACTIONS = [1.0, 0.5, 0.25, 0.1]
 # A step measured faster than this fraction of its bound is a measurement bug.
 BOUND_SLACK = 0.98
@@ -195,12 +217,17 @@ def common_args(cfg):
 
 def worker_mlx_lm(cfg):
     import mlx_lm
+    import numpy as np
     from mlx_lm.lora import CONFIG_DEFAULTS, train_model
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.datasets import load_dataset
 
     args = dict(CONFIG_DEFAULTS, **common_args(cfg), grad_checkpoint=cfg["grad_checkpoint"])
     args = types.SimpleNamespace(**args)
+    # Seeded as mlx_lm.lora's run() seeds (train_model alone does not): the
+    # adapters' initial values (MLX's generator) and the batch order
+    # (NumPy's), so that a row's adapters can be compared with mlx-pager's.
+    np.random.seed(args.seed)
     model, tok = mlx_lm.load(cfg["model"])
     train, valid, _ = load_dataset(args, tok)
     reports = []
@@ -278,6 +305,8 @@ def worker_pager(cfg):
             "io_wait_s": s["io_wait_s"],
             "pages_read": s["pages_read"],
             "mlx_peak": s["mlx_peak_bytes"],
+            "spilled_bytes": s["spilled_bytes"],
+            "spill_read_bytes": s["spill_read_bytes"],
         }
         for s in res.steps
     ]
@@ -294,6 +323,14 @@ def worker_pager(cfg):
         "report": str(report),
         "governor": res.governor_events,
         "settings": [cfg["readahead"], cfg.get("readahead_mode", "conservative"), cfg["policy"]],
+        # the plan's predicted peak and the kernel's measured one, per step
+        "predicted_peaks": [s["predicted_peak_bytes"] for s in res.steps],
+        "step_peaks": [s["step_peak_rss_bytes"] for s in res.steps],
+        "placements": [
+            [s["tail_start"], s["recomputed_blocks"], s["spilled_blocks"], s["batch_parts"]] for s in res.steps
+        ],
+        "spilled_bytes": [s["spilled_bytes"] for s in res.steps],
+        "spill_read_bytes": [s["spill_read_bytes"] for s in res.steps],
     }
 
 
@@ -444,7 +481,7 @@ def bench_one(name, shape, a, out_dir):
     base = dict(
         model=str(model),
         data=str(data),
-        steps=a.steps,
+        steps=shape.get("steps", a.steps),
         batch_size=shape["batch_size"],
         seq_len=shape["seq_len"],
         num_layers=shape["num_layers"],
@@ -477,12 +514,13 @@ def bench_one(name, shape, a, out_dir):
 
     results = {}
 
-    def go(cfg_name, **kw):
+    def go(cfg_name, cap=None, **kw):
         if not want(cfg_name):
             return
         cfg = dict(base, name=cfg_name, adapter_path=str(out_dir / f"ad-{name}-{cfg_name.replace(' ', '_')}"), **kw)
         t = time.perf_counter()
-        results[cfg_name] = run_worker(__file__, cfg)
+        results[cfg_name] = run_worker(__file__, cfg, cap=cap)
+        results[cfg_name]["adapter_path"] = cfg["adapter_path"]
         print(f"   {cfg_name:<13} ran in {time.perf_counter() - t:5.1f}s", flush=True)
 
     def pct(f):
@@ -494,13 +532,18 @@ def bench_one(name, shape, a, out_dir):
         return int(1.1 * W) if f == 1 else max(int(f * W), footprint)
 
     measure_rate()
+    pager_capped = dict(readahead=4, policy="optimal")
     resident_fits = 1.5 * W < psutil.virtual_memory().available
     if resident_fits:
         go("mlx-lm", kind="mlx-lm", grad_checkpoint=False)
         go("mlx-lm+ckpt", kind="mlx-lm", grad_checkpoint=True)
     else:
         print(f"   mlx-lm       skipped: {W / 1e9:.1f}GB of weights do not fit in this machine's memory")
-    if "mlx-lm" in results:
+    if shape.get("capped_budget"):
+        # The whole process under a hard cap equal to its --memory-budget.
+        b = shape["capped_budget"]
+        go(f"pager {b / 1e9:g}GB cap", kind="pager", page_budget=None, memory_budget=str(b), cap=b, **pager_capped)
+    if "mlx-lm" in results and shape.get("at_mlx_lm", True):
         # The budget resident mlx-lm itself needed (its peak RSS, +5%): where
         # the no-recompute tail segment can hold every trained block.
         go(
@@ -538,7 +581,8 @@ def bench_one(name, shape, a, out_dir):
             readahead_mode=s.mode,
             policy=s.policy,
         )
-    go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru")
+    if shape.get("naive", True):
+        go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru")
     measure_rate()
     R, R_pager = max(rates), statistics.median(own_rates)
 
@@ -558,6 +602,16 @@ def bench_one(name, shape, a, out_dir):
         }
         if resident_tps:
             row["vs_resident"] = row["tokens_per_s"] / resident_tps
+        if r.get("predicted_peaks"):
+            # The plan's honesty: the measured peak RSS of the steps over the
+            # peak the plan predicted for them (<= 1: the plan held).
+            row["predicted_peak"] = max(r["predicted_peaks"])
+            row["measured_peak"] = max(r["step_peaks"])
+            row["peak_vs_plan"] = row["measured_peak"] / row["predicted_peak"]
+            row["spilled_per_step"] = med(cfg_name, "spilled_bytes") if "spilled_bytes" in r["steps"][0] else 0
+            row["placement"] = "/".join(str(x) for x in r["placements"][-1][1:])
+        if r.get("cap"):
+            row["cap"], row["cgroup_peak"] = r["cap"], r["cgroup_peak"]
         if "page_budget" in r:
             fig = pager_figures(r, R, R_pager, compute)
             pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]
@@ -611,6 +665,12 @@ def bench_one(name, shape, a, out_dir):
     print_rows(rows)
     for v in violations:
         print(f"   BOUND VIOLATED: {v}")
+    capped = {}
+    for row in rows:
+        if "cap" in row or (row["config"] in results and "cap_unavailable" in results[row["config"]]):
+            capped = capped_summary(row, results, rows)
+            print(capped["line"])
+
     return {
         "weights_bytes": W,
         "blocks": L,
@@ -625,7 +685,48 @@ def bench_one(name, shape, a, out_dir):
         "shape": shape,
         "rows": rows,
         "bound_violations": violations,
+        "capped": capped,
     }
+
+
+def capped_summary(row, results, rows) -> dict:
+    """The capped row against the anchors: within its cap or not, bytes
+    spilled and read back per step, step time vs resident, and its adapters
+    against mlx-lm --grad-checkpoint's on the same flags and seed (relative
+    difference, the largest over the tensors)."""
+    import mlx.core as mx
+
+    r = results[row["config"]]
+    out = {"config": row["config"]}
+    ref = results.get("mlx-lm+ckpt")
+    if ref is not None:
+        a = mx.load(str(Path(ref["adapter_path"]) / "adapters.safetensors"))
+        b = mx.load(str(Path(r["adapter_path"]) / "adapters.safetensors"))
+        out["adapters_rel_diff"] = max(
+            (mx.linalg.norm((b[k] - a[k]).flatten()) / mx.linalg.norm(a[k].flatten())).item() for k in a
+        )
+    spilled = r["steps"][-1]["spilled_bytes"] if r["steps"] else 0
+    read = r["steps"][-1]["spill_read_bytes"] if r["steps"] else 0
+    out.update(
+        cap=r.get("cap"),
+        cgroup_peak=r.get("cgroup_peak"),
+        spilled_per_step=spilled,
+        spill_read_per_step=read,
+        vs_resident=row.get("vs_resident"),
+        placements=r["placements"],
+    )
+    if r.get("cap"):
+        within = f"cgroup peak {r['cgroup_peak'] / 1e9:.2f}GB under a {r['cap'] / 1e9:.2f}GB cap"
+    else:
+        within = f"NOT capped ({r.get('cap_unavailable')})"
+    rel = f"{out['adapters_rel_diff']:.1e}" if "adapters_rel_diff" in out else "n/a"
+    vs = f"{row['vs_resident']:.2f}x" if row.get("vs_resident") else "n/a"
+    out["line"] = (
+        f"   {row['config']}: {within}; spilled {spilled / 1e6:.1f}MB and read back {read / 1e6:.1f}MB "
+        f"per step; placement (recomputed/spilled/parts) per step {[p[1:] for p in r['placements']]}; "
+        f"step {row['step_s']:.2f}s = {vs} resident; adapters vs mlx-lm --grad-checkpoint: {rel} relative"
+    )
+    return out
 
 
 # The table: (header, width, format, row key, scale); a row without the key
@@ -646,6 +747,9 @@ COLUMNS = [
     ("vs bnd", 6, ".2f", "vs_bound", 1),
     ("vs naive", 8, ".2f", "vs_naive", 1),
     ("readahead", 14, "<", "settings", None),
+    ("plan GB", 7, ".2f", "predicted_peak", 1e-9),
+    ("meas/plan", 9, ".2f", "peak_vs_plan", 1),
+    ("rec/spill/parts", 15, "<", "placement", None),
 ]
 
 
@@ -670,7 +774,7 @@ def plot(summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mlx_pager.plot import load_report
+    from mlx_pager.plot import load_report, memory_by_component
 
     shapes = list(summary)
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 8), squeeze=False, constrained_layout=True)
@@ -714,40 +818,19 @@ def plot(summary, path):
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7)
-        # memory by component over one step of the 25% run
+        # memory by component over one step of the 25% run (or the last pager row)
         if not pager_rows:
             continue
         row = next((r for r in pager_rows if r["config"] == "pager 25%"), pager_rows[-1])
         blocks, steps = load_report(row["report"])
         ax = axes[1][j]
         if len(steps) >= 2:
-            # the last full step: block records between the last two step ends
-            [b["t"] for b in blocks]
+            # the last full step: its block records, on the step's own clock
             n_per = len(blocks) // max(1, len(steps))
             one = blocks[-n_per:]
             t0 = one[0]["t"]
-            t = [b["t"] - t0 for b in one]
-            mb = 1e6
-            pinned = [b["pinned_bytes"] / mb for b in one]
-            pages = [b["pages_bytes"] / mb for b in one]
-            other = [max(0, b["mlx_active_bytes"] - b["pinned_bytes"] - b["pages_bytes"]) / mb for b in one]
-            cache = [b["mlx_cache_bytes"] / mb for b in one]
-            rest = [
-                max(0, b["rss_bytes"] / mb - p - q - o - c) for b, p, q, o, c in zip(one, pinned, pages, other, cache)
-            ]
-            ax.stackplot(
-                t,
-                pinned,
-                pages,
-                other,
-                cache,
-                rest,
-                labels=["pinned page", "block pages", "other MLX", "MLX cache", "rest of process"],
-            )
-            ax.axhline(row["budget"] / mb, color="r", ls="--", lw=1, label="budget")
+            memory_by_component(ax, [dict(b, t=b["t"] - t0) for b in one], row["budget"])
             ax.set_xlabel("seconds into the step")
-            ax.set_ylabel("MB")
-            ax.legend(fontsize=7, loc="upper left")
         ax.set_title(f"'{name}', {row['config']}: memory by component over one step")
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -14,24 +14,39 @@ import time
 from pathlib import Path
 
 
-def run_worker(script: str, cfg: dict) -> dict:
-    """Runs `script --worker CFG` and returns the JSON after its RESULT line."""
+def run_worker(script: str, cfg: dict, cap: int = None) -> dict:
+    """Runs `script --worker CFG` and returns the JSON after its RESULT line.
+    `cap`: under a hard memory cgroup of that many bytes (the tests' own
+    tests/python/cgroup.py), adding "cgroup_peak" (bytes charged at most)
+    and "cap"; where no cgroup can be made, uncapped with "cap_unavailable"
+    saying why."""
     from mlx_pager.blas import openblas_path
 
     env = dict(os.environ)
     lib = openblas_path()
     if lib and lib not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = lib
-    out = subprocess.run(
-        [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(cfg)]
+    extra = {}
+    if cap:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+        from cgroup import run_capped, unavailable_reason
+
+        why = unavailable_reason()
+        if why is None:
+            out, peak = run_capped(cmd, cap, timeout=3600, env=env)
+            extra = {"cap": cap, "cgroup_peak": peak}
+        else:
+            extra = {"cap_unavailable": why}
+    if not extra.get("cap"):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"worker {cfg.get('name', cfg)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            return dict(json.loads(line[7:]), **extra)
+    raise RuntimeError(
+        f"worker {cfg.get('name', cfg)} failed (exit {out.returncode}{', capped' if extra.get('cap') else ''}):\n"
+        f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    )
 
 
 def dd_rate(files) -> float:

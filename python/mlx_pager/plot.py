@@ -70,7 +70,9 @@ def load_report(path):
     return [b for r in runs for b in r.blocks], [s for r in runs for s in r.steps]
 
 
-def _memory(ax, blocks, budget, rungs=()):
+def memory_by_component(ax, blocks, budget, rungs=()):
+    """Stacks the memory components of `blocks` (--report block records)
+    on `ax`, with RSS, spilled checkpoints, the budget and the rungs."""
     t = [b["t"] for b in blocks]
     mb = 1e6
     pinned = [b["pinned_bytes"] / mb for b in blocks]
@@ -114,7 +116,7 @@ def _memory(ax, blocks, budget, rungs=()):
             ax.annotate(r["rung"], (r["t"], ax.get_ylim()[1]), rotation=90, fontsize=6, va="top", color="tab:red")
     ax.set_xlabel("seconds")
     ax.set_ylabel("MB")
-    ax.legend(loc="lower right", fontsize=7, framealpha=0.85)
+    ax.legend(loc="upper left", fontsize=6, ncol=2, framealpha=0.85)
 
 
 def _steps(ax, steps):
@@ -153,7 +155,7 @@ def plot_report(path, out, budget=None):
         name += f", budget {h['memory_budget']}" if h.get("memory_budget") else ""
         top, bottom = axes[0][k], axes[1][k]
         if run.blocks:
-            _memory(top, run.blocks, budget or _header_budget(h), run.rungs)
+            memory_by_component(top, run.blocks, budget or _header_budget(h), run.rungs)
         top.set_title(f"{name}\nmemory by component, sampled after every block", fontsize=9)
         if run.steps:
             _steps(bottom, run.steps)

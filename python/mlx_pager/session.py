@@ -416,6 +416,17 @@ def open_session(
         plan.margin = Governor.margin_for(plan.budget)
         plan.budget = plan.fixed + page_cap
         budget_error = None
+    if training and first < L:
+        # One block's forward + vjp measured on one sequence of the longest
+        # length, before anything is decided (the formula only stands in
+        # where the measurement fails).
+        weights.pin_resident()
+        try:
+            used = step.probe_block(model, weights, first, 1, seq_len)
+            sizes.learn({"block": (used, 1, seq_len)})
+        except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
+            say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
+        release_heap()
     least = placement.smallest(shape, sizes)
     plan.activations = least.activations
     if budget_error is not None:

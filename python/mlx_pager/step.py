@@ -493,6 +493,28 @@ class Blocks:
         return g_h, dict(zip(names, grads))
 
 
+def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -> int:
+    """MLX's peak memory for block `block`'s forward + vector-Jacobian
+    product on a micro-batch of `rows` x `length` tokens (over the memory
+    active before it): what the placement planner needs before the first
+    step, measured rather than guessed. The block's page is read for it."""
+    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
+    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
+    mb = MicroBatch.from_batch(batch, lengths)
+    mb.record(model)
+    h = mb.h0
+    with weights.bound(block):
+        mx.eval(h)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        g_h, g_p = block_vjp(model.layers[block], h, mb.calls[block], mx.ones_like(h))
+        mx.eval(g_h, g_p)
+        used = max(0, mx.get_peak_memory() - base)
+        del g_h, g_p
+    mx.reset_peak_memory()
+    return used
+
+
 def first_trained_block(model: nn.Module) -> int:
     """Index of the lowest block with trainable parameters (len(layers) if none)."""
     for i, layer in enumerate(model.layers):

@@ -349,9 +349,12 @@ class PagedWeights:
 
     def pin_resident(self) -> None:
         """Reads the resident page (embeddings, norm, head), locks it in
-        memory and binds it for good."""
+        memory and binds it for good (once; later calls do nothing)."""
+        if getattr(self, "_resident_pinned", False):
+            return
         self.pager.pin(self.resident_id)
         self._bind_page(self.resident_id)
+        self._resident_pinned = True
 
     # ------------------------------------------------------------ accounting --
     def page_bytes(self, block: int) -> int:
