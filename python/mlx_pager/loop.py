@@ -176,6 +176,12 @@ def _value_and_grad(s: Session, group, on_block, it: int):
             parts = step.split_batch(*b, p.parts)
             mbs.extend(parts)
             owner.extend([g] * len(parts))
+        shapes = [tuple(mb.inputs.shape) for mb in mbs]
+        if shapes != s.last_shapes:
+            # MLX's cache holds the last step's buffers (session.place lets it):
+            # of other shapes they would sit beside this step's new ones.
+            mx.clear_cache()
+            s.last_shapes = shapes
         probe = {}
         s.live = probe  # read by memory traces while the step runs (callbacks.JsonReport)
         spill_before = (s.spill.bytes_written, s.spill.bytes_read) if s.spill is not None else (0, 0)

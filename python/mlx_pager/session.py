@@ -113,6 +113,7 @@ class Session:
     ceiling: Optional[placement.Placement] = None  # set by the ladder (replan)
     spill: Optional[object] = None  # spill.SpillStore, once a placement spills
     live: Optional[dict] = None  # the running step's probe (step.paged_value_and_grad)
+    last_shapes: Optional[list] = None  # the micro-batch shapes of the last step (loop.py)
 
     def memory_now(self) -> dict:
         """Checkpoints held in memory and on the SSD now (memory traces)."""
@@ -185,14 +186,23 @@ class Session:
         page_budget = self.plan.page_budget if self.page_cap is None else min(self.page_cap, self.plan.page_budget)
         self.gov.set_page_budget(page_budget)
         self.gov.min_page_budget = p.pages
-        # Room the pages will never fill (the budget holds the whole model)
-        # may keep MLX's freed buffers for reuse, as resident mlx-lm's cache
-        # does: the next step's activations land in memory already mapped
-        # instead of faulting fresh pages in.
+        # MLX keeps freed buffers for reuse up to its cache limit (32 MB by
+        # default on the CPU): beyond it, every step's activations are freed
+        # to the OS and faulted in again (~350K page faults a step on the
+        # bench's compute shape, a third of its time). Room the pages will
+        # never fill may hold them between steps. So may the activations'
+        # own reservation when the step is one graph (the whole trained part
+        # as the tail, one micro-batch): a step of the same shapes then asks
+        # for the same buffers in the same order, each one a cache hit, so
+        # the cache never adds to the peak (loop.py empties it when the
+        # shapes change). With recompute, phases of other sizes would leave
+        # buffers in the cache beside new ones: not there.
         unused = max(0, page_budget - sum(self.shape.footprints))
-        mx.set_cache_limit(int(self.plan.slack + unused))
+        one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1
+        mx.set_cache_limit(int(self.plan.slack + unused + (p.activations if one_graph else 0)))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
+            mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one
 
     def replan(self, probe: Optional[dict] = None, smaller: bool = False) -> bool:
         """Takes in a step's measurements and picks the placement for the
