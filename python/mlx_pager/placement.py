@@ -180,7 +180,12 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     return Placement(s, parts, pages, checkpoints + max(work), recomputed, cost, spilled)
 
 
-def _slot(nbytes: int, align: int = 4096) -> int:
+# Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module
+# stays free of the extension so that it can be tested on its own).
+_SLOT_ALIGN = 4096
+
+
+def _slot(nbytes: int, align: int = _SLOT_ALIGN) -> int:
     return -(-nbytes // align) * align
 
 
