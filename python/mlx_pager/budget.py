@@ -131,5 +131,5 @@ class MemoryPlan:
                 f"--memory-budget {format_size(self.budget)} is too small for this "
                 f"model and batch: it needs at least {format_size(self.minimum)} "
                 f"({self.breakdown()}). Raise it to {format_size(self.minimum * 1.05)} "
-                "or more, or lower --batch-size / --max-seq-length."
+                "or more, or lower --max-seq-length (batches are already split down to one sequence)."
             )

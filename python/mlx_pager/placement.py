@@ -67,10 +67,9 @@ class Sizes:
     block_per_token: float
     block_len: int
     block_fixed: int = 0  # bytes that do not grow with tokens (a dequantized weight)
-    block_measured: bool = False
-    # The tail's measured peak, per token and per block, at `tail_len`, for a
+    # The tail's measured peak, per token, at `tail_len`, for a
     # tail of `tail_blocks` blocks (None: never measured).
-    tail_per_token_block: Optional[float] = None
+    tail_per_token: Optional[float] = None
     tail_len: int = 0
     tail_blocks: int = 0
     head_chunk_bytes: int = 64 << 20
@@ -96,9 +95,9 @@ class Sizes:
         if blocks <= 0:
             return 0
         head = 3 * rows * length * self.vocab * 4  # the whole head's graph: logits, softmax, gradient
-        if self.tail_per_token_block is None:
+        if self.tail_per_token is None:
             return self.block(rows, length) * blocks + head
-        whole = self._scale(self.tail_per_token_block * self.tail_blocks, self.tail_len, rows, length)
+        whole = self._scale(self.tail_per_token, self.tail_len, rows, length)
         n0 = self.tail_blocks
         fixed = min(head, whole)
         return int(max(whole * blocks / n0, fixed + (whole - fixed) * blocks / n0))
@@ -112,10 +111,9 @@ class Sizes:
             nbytes, rows, length = probe["block"]
             self.block_per_token = max(0, nbytes - self.block_fixed) / max(1, rows * length)
             self.block_len = length
-            self.block_measured = True
         if "tail" in probe:
             nbytes, blocks, rows, length = probe["tail"]
-            self.tail_per_token_block = nbytes / max(1, rows * length * blocks)
+            self.tail_per_token = nbytes / max(1, rows * length)
             self.tail_len = length
             self.tail_blocks = blocks
 
