@@ -264,4 +264,13 @@ mx::Dtype dtype_from_safetensors(const std::string& d) {
   return dtype;
 }
 
+std::vector<std::pair<mx::Dtype, mx::Shape>> TensorPager::specs(PageId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<mx::Dtype, mx::Shape>> out;
+  for (const Placed& p : layouts_.at(id)) {
+    out.emplace_back(p.spec.dtype, p.spec.shape);
+  }
+  return out;
+}
+
 }  // namespace mlx_pager

@@ -64,6 +64,8 @@ class TensorPager {
   // The page's tensors, in registration order. Blocks while the page is read.
   NamedArrays acquire(PageId id);
   void release(PageId id) { pager_.release(id); }
+  // The page's tensors' (dtype, shape), in registration order (no read).
+  std::vector<std::pair<mx::Dtype, mx::Shape>> specs(PageId id) const;
 
   Pager& pager() { return pager_; }
   const Pager& pager() const { return pager_; }

@@ -198,6 +198,11 @@ std::uint64_t Pager::pinned_bytes_locked(const Lock& lock) const {
   return n;
 }
 
+void Pager::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stat_.peak_resident_bytes = charged_now();
+}
+
 void Pager::note_peak_locked(const Lock& lock) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   stat_.peak_resident_bytes = std::max(stat_.peak_resident_bytes, charged_now());

@@ -156,6 +156,8 @@ class Pager {
 
   // ---- counters ----
   VmStat stats() const;
+  // Starts peak_resident_bytes over from what is charged now.
+  void reset_peak();
   // Test hook: see page_io.h.
   void set_fault_injector(FaultInjector f) { io_.set_fault_injector(std::move(f)); }
   // Called as hook(page) when a page's bytes on disk fail their checksum

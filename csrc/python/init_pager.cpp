@@ -11,6 +11,7 @@
 
 #include <mlx/array.h>
 
+#include "mlx/paged_tensor.h"
 #include "mlx/tensor_pager.h"
 
 namespace nb = nanobind;
@@ -158,6 +159,16 @@ void init_pager(nb::module_& m) {
           },
           "page"_a, "The page's tensors as {name: mx.array}; reads the page if needed.")
       .def(
+          "lazy_page",
+          [](TensorPager& tp, nb::handle page, const mx::array& after,
+             const std::vector<bool>& copy) {
+            return paged_tensors(tp, page_id(tp, page), after, copy);
+          },
+          "page"_a, "after"_a, "copy"_a = std::vector<bool>{},
+          "The page's tensors (registration order) as lazy arrays that acquire the page when "
+          "MLX evaluates them, after `after`; copy[i]: tensor i in a buffer of its own, not a "
+          "view of the frame (mlx/paged_tensor.h).")
+      .def(
           "release",
           [](TensorPager& tp, nb::handle page) {
             PageId id = page_id(tp, page);
@@ -174,6 +185,9 @@ void init_pager(nb::module_& m) {
           },
           "page"_a)
       .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
+      .def(
+          "reset_peak", [](TensorPager& tp) { tp.pager().reset_peak(); },
+          "Starts stats()['peak_resident_bytes'] over from what is resident now.")
       .def(
           "discard",
           [](TensorPager& tp, nb::handle page) {

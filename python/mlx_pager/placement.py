@@ -5,8 +5,10 @@ Three things compete for that pool: the block pages, the activations, and
 nothing else. Per step the planner picks
 
   tail_start s  blocks s..L-1 and the head run as one segment whose autodiff
-                graph is kept from forward to backward (no recompute; its
-                pages are bound together); blocks first..s-1 keep only their
+                graph is kept from forward to backward (no recompute; their
+                frozen weights are streamed, stream.py: read forward and
+                again backward, so the pages need not fit together, only
+                the copies the graph holds, `held`); blocks first..s-1 keep only their
                 input as a checkpoint and are recomputed in the backward
                 sweep (step.py). s = first: no block is recomputed, mlx-lm's
                 own arithmetic; s = L: every trained block is.
@@ -30,10 +32,13 @@ over a few steps and never past what fits.
 
 The predicted peak covers what the budget's pool holds during the step:
 
-  pages        the tail's pages, bound together, plus one page for the
-               sweep of the blocks below it
+  pages        two of the tail's pages (one in use, one read ahead; all of
+               them if fewer), plus one page for the sweep of the blocks
+               below it
   checkpoints  the input of every recomputed block, for every micro-batch,
                plus the hidden state being computed and its cotangent
+  held         the tail's frozen tensors the graph keeps as copies (norm
+               weights, biases, and weights a layer computes with directly)
   working set  the largest of: one recomputed block's forward + vjp, the
                tail's graph, the head's loss and gradient (chunked)
 """
@@ -143,6 +148,7 @@ class Step:
     rows: int  # rows per batch
     length: int  # padded length (the longest the data can make)
     batches: int = 1  # batches per optimizer step (gradient accumulation)
+    held: Optional[List[int]] = None  # per block: bytes a streamed tail holds as copies (None: 0)
 
     def micro_batches(self, parts: int) -> int:
         """Micro-batches per step when each batch is split into `parts`."""
@@ -156,7 +162,9 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     s = max(first, min(L, tail_start))
     rows = -(-step.rows // parts)  # rows per micro-batch
     length = step.length
-    pages = sum(fp[s:]) + (max(fp[:s]) if s > 0 else 0)
+    tail = sorted(fp[s:], reverse=True)
+    pages = sum(tail[:2]) + (max(fp[:s]) if s > 0 else 0)
+    held = sum(step.held[s:]) if step.held else 0
     recomputed = s - first
     spilled = max(0, min(spilled, recomputed))
     # Checkpoints hold every micro-batch of the step (layer-major order),
@@ -175,7 +183,7 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
         work.append(sizes.head(rows, length))
     trained = L - first
     cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
-    return Placement(s, parts, pages, checkpoints + max(work), recomputed, cost, spilled)
+    return Placement(s, parts, pages, checkpoints + held + max(work), recomputed, cost, spilled)
 
 
 # Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module

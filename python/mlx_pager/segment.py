@@ -12,10 +12,12 @@ those blocks need neither: the forward sweep stops at h[s], and
 
 computes them in one graph, as mlx-lm's own value_and_grad does over the
 whole model. The backward sweep then walks s-1 .. first with recompute, as
-before. With s = first (a budget that holds every trained block) a step does
-mlx-lm's arithmetic with no recompute at all, and the results are the same
-bits. placement.py picks s for the budget, from the page footprints and
-the activations steps measured.
+before. With s = first a step does mlx-lm's arithmetic with no recompute at
+all, and the results are the same bits. The tail's frozen weights are
+streamed (stream.py): read where the graph uses them, forward and again
+backward, so the tail's pages need not fit together. placement.py picks s
+for the budget, from the page footprints and the activations steps
+measured.
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ def tail_value_and_grad(
     h: mx.array,
     keys: Sequence[Optional[mx.array]],
     chunk_bytes: int,
+    stream=None,
 ) -> Tuple[mx.array, mx.array, Dict[int, Dict[str, mx.array]]]:
     """(loss, dL/dh[start], {block: {adapter name: grad}}) for blocks
-    start..L-1 and the head, for one micro-batch; the blocks' pages must be
-    bound. keys[i]: block i's dropout key (None without dropout). When no
+    start..L-1 and the head, for one micro-batch. The blocks' pages must be
+    bound, or `stream` (a bound stream.Stream over them) reads them where
+    the graph uses them. keys[i]: block i's dropout key (None without dropout). When no
     block below `start` is trained, dL/dh[start] is not computed (None):
     nothing needs it, and mlx-lm does not compute it either."""
     L = len(model.layers)
@@ -65,6 +69,8 @@ def tail_value_and_grad(
             layer.update(tree_unflatten(list(zip(n, flat[at : at + k]))))
             at += k
         for j, layer in enumerate(layers):
+            if stream is not None:
+                stream.enter(start + j, x)
             with step.keyed_dropout(layer, keys[start + j]):
                 x = step.run_block(layer, x, mb.calls[start + j])
         return [_head_loss_in_graph(model, mb, x, chunk_bytes)]
@@ -80,6 +86,8 @@ def tail_value_and_grad(
     finally:
         for layer, n, ps in zip(layers, names, params):
             layer.update(tree_unflatten(list(zip(n, ps))))  # drop tracers
+        if stream is not None:
+            stream.built()
     out: Dict[int, Dict[str, mx.array]] = {}
     at = 1
     for j, (n, k) in enumerate(zip(names, sizes)):
@@ -99,5 +107,5 @@ class Tail:
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int):
-        return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes)
+    def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
+        return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)

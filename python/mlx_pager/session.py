@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import placement, step, swapcache
+from . import placement, step, stream, swapcache
 from .budget import BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
 from .store import PagedWeights
@@ -136,13 +136,14 @@ class Session:
         spilled block's checkpoint pages after its own page in the backward
         sweep (the order step.py acquires them in)."""
         L = len(self.model.layers)
-        order = step.step_schedule(L, self.first_trained, self.tail_start)
-        spilled = range(self.first_trained, self.first_trained + (self.placement.spilled if self.placement else 0))
         slots = self.shape.micro_batches(self.parts)
+        order = step.step_schedule(L, self.first_trained, self.tail_start, slots)
+        spilled = range(self.first_trained, self.first_trained + (self.placement.spilled if self.placement else 0))
+        sweep = len(order) - (max(self.first_trained, min(L, self.tail_start)) - self.first_trained)
         ids = []
         for n, i in enumerate(order):
             ids.append(self.weights.page_ids[i])
-            if n >= L and i in spilled and self.spill is not None:  # the backward sweep
+            if n >= sweep and i in spilled and self.spill is not None:  # the backward sweep
                 ids.extend(self.spill.page_ids(i, slots))
         self.weights.pager.set_schedule(ids)
 
@@ -400,6 +401,7 @@ def open_session(
         num_blocks=L,
         first_trained=first if training else L,
         footprints=[weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)],
+        held=[stream.held_bytes(weights, i) for i in range(weights.num_blocks)],
         rows=args.batch_size,
         length=seq_len,
         # evaluation sweeps groups of up to 8 batches together (loop.evaluate)

@@ -41,6 +41,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .layers import BlockList, NotPageable, architecture
+from .stream import Stream
 
 
 def _hidden_param(layer) -> Optional[str]:
@@ -523,12 +524,17 @@ def first_trained_block(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def step_schedule(num_blocks: int, first_trained: int, tail_start: Optional[int] = None) -> List[int]:
+def step_schedule(
+    num_blocks: int, first_trained: int, tail_start: Optional[int] = None, micro_batches: int = 1
+) -> List[int]:
     """The block access order of one training step: forward, then backward
     down to the first trained block. With a tail segment starting at s,
-    blocks s..L-1 are used once (bound together), and backward starts at s-1."""
-    s = num_blocks if tail_start is None else max(first_trained, min(num_blocks, tail_start))
-    return list(range(num_blocks)) + list(range(s - 1, first_trained - 1, -1))
+    blocks s..L-1 are read forward then backward (streamed, stream.py) once
+    per micro-batch, and the backward sweep below starts at s-1."""
+    L = num_blocks
+    s = L if tail_start is None else max(first_trained, min(L, tail_start))
+    tail = (list(range(s, L)) + list(range(L - 1, s - 1, -1))) * micro_batches
+    return list(range(s)) + tail + list(range(s - 1, first_trained - 1, -1))
 
 
 def _dropout_keys(model: nn.Module, num_blocks: int, num_micro: int):
@@ -624,12 +630,12 @@ def paged_value_and_grad(
     losses, ntoks, cots = [], [], []
     if s_tail < L:
         # The tail: blocks s..L-1 and the head in one graph per micro-batch.
-        with weights.bound(*range(s_tail, L)):
+        with Stream(weights, range(s_tail, L)).bound() as streamed:
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
-                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes
+                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed
                 )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)

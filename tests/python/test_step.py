@@ -16,6 +16,7 @@ from mlx_lm.tuner.trainer import default_loss, iterate_batches
 
 from mlx_pager import architectures as A
 from mlx_pager import step as S
+from mlx_pager._core import IO_ALIGN
 
 LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 
@@ -154,8 +155,9 @@ def test_a_block_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
 def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, bits):
     """Blocks s..L-1 and the head as one no-recompute segment (segment.py),
     for every s from the first trained block to L (none), with two
-    micro-batches and a chunked head: the same bits as default_loss, and
-    each block of the tail read once per step (forward, not backward)."""
+    micro-batches and a chunked head: the same bits as default_loss, with
+    the tail's weights streamed (stream.py): each tail block's page acquired
+    where the graph uses it, forward and backward, per micro-batch."""
     path = models(arch, bits)
     bs = batches(path, 2)
     ref = reference(path, 3)
@@ -176,7 +178,45 @@ def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, b
         )
         assert [x.item() for x in losses] == ref_losses, s
         assert_bitwise(total, grads)
-        assert w.pager.stats()["acquires"] - before == L + (s - (L - 3)), s
+        sweep, tail, below = s, 2 * len(bs) * (L - s), s - (L - 3)
+        assert w.pager.stats()["acquires"] - before == sweep + tail + below, s
+
+
+@pytest.mark.parametrize("arch, bits, dora", [("llama", None, False), ("qwen3", 4, False), ("llama", None, True)])
+def test_a_streamed_tail_needs_two_pages_not_all_of_them(models, tmp_path, arch, bits, dora):
+    """No recompute below the budget that holds the tail's pages: with room
+    for two block pages, a tail of every trained block (s = first) reads its
+    weights forward and again backward (stream.py), keeps the pages under
+    the budget, and gives default_loss's bits (DoRA: its base weights are
+    held copies, the rest streamed)."""
+    path = models(arch, bits)
+    (b,) = batches(path, 1)
+    ref = reference(path, 3, dora=dora)
+    (loss, _), g = nn.value_and_grad(ref, default_loss)(ref, *b)
+    mx.eval(loss, g)
+    model, w = paged(path, 3, "in_place", tmp_path, dora=dora)
+    L, first = len(model.layers), S.first_trained_block(model)
+    page = max(w.page_bytes(i) for i in range(L)) + IO_ALIGN
+    budget = w.resident_bytes + IO_ALIGN + 2 * page
+    w.pager.set_budget(budget)
+    w.pager.set_schedule([w.page_ids[i] for i in S.step_schedule(L, first, first)])
+    w.pager.evict_all()
+    w.pager.reset_peak()
+    before = w.pager.stats()
+    losses, _, grads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*b)], tail_start=first)
+    after = w.pager.stats()
+    assert losses[0].item() == loss.item()
+    assert_bitwise(g, grads)
+    assert after["peak_resident_bytes"] <= budget
+    reads = after["pages_read"] - before["pages_read"]
+    if dora:
+        # DoRA computes with its base weights directly: they are held copies,
+        # and the backward reads nothing.
+        assert reads == L
+    else:
+        # Every block forward, and the trained ones again backward: no page
+        # is kept from its forward to its backward but the last one or two.
+        assert L + (L - first) - 2 <= reads <= L + (L - first), reads
 
 
 @pytest.mark.parametrize("parts", [2, 4])

@@ -1,0 +1,82 @@
+#include "mlx/paged_tensor.h"
+
+#include <cstring>
+
+#include <mlx/allocator.h>
+#include <mlx/ops.h>
+#include <mlx/primitives.h>
+#include <mlx/transforms.h>
+
+namespace mlx_pager {
+namespace {
+
+class PagedTensors : public mx::Primitive {
+ public:
+  PagedTensors(mx::Stream s, TensorPager* tp, PageId page, std::vector<bool> copy)
+      : mx::Primitive(s), tp_(tp), page_(page), copy_(std::move(copy)) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>& outputs) override {
+    eval(outputs);
+  }
+  // The frame is MLX's own memory on every backend (mlx_frames.h): sharing
+  // it needs no device work.
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>& outputs) override {
+    eval(outputs);
+  }
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>&,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>&) override {
+    std::vector<mx::array> out;
+    for (int i : argnums) {
+      out.push_back(mx::zeros_like(primals[i], stream()));
+    }
+    return out;
+  }
+  const char* name() const override { return "PagedTensors"; }
+
+ private:
+  void eval(std::vector<mx::array>& outputs) {
+    // A page not in memory (nor on its way) needs room, which the arrays of
+    // earlier pages that MLX's stream has not finished with may still hold:
+    // let the stream finish them first, rather than wait in the pager.
+    if (tp_->pager().state(page_) == PageState::on_disk) {
+      mx::synchronize(stream());
+    }
+    NamedArrays arrays = tp_->acquire(page_);
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const mx::array& view = arrays.at(i).second;
+      if (i < copy_.size() && copy_[i]) {
+        outputs[i].set_data(mx::allocator::malloc(view.nbytes()));
+        std::memcpy(outputs[i].data<char>(), view.data<char>(), view.nbytes());
+      } else {
+        outputs[i].copy_shared_buffer(view);
+      }
+    }
+    arrays.clear();  // the views go before the page is released
+    tp_->release(page_);
+  }
+
+  TensorPager* tp_;
+  PageId page_;
+  std::vector<bool> copy_;
+};
+
+}  // namespace
+
+std::vector<mx::array> paged_tensors(
+    TensorPager& tp, PageId page, const mx::array& after, const std::vector<bool>& copy) {
+  auto specs = tp.specs(page);
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (auto& [dtype, shape] : specs) {
+    dtypes.push_back(dtype);
+    shapes.push_back(shape);
+  }
+  auto s = mx::default_stream(mx::default_device());
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes, std::make_shared<PagedTensors>(s, &tp, page, copy), {after});
+}
+
+}  // namespace mlx_pager

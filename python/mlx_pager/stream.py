@@ -1,0 +1,211 @@
+"""Streamed frozen weights: a tail segment whose pages need not be resident
+together.
+
+The tail segment (segment.py) runs blocks s..L-1 forward and backward in one
+vector-Jacobian product, with no recompute. MLX's autodiff keeps every array
+the backward needs from the forward to the backward, and for a product
+x @ W.T that includes W: a tail whose weights are ordinary arrays holds all
+its pages for the whole segment, so it only fits where the budget holds
+them all, and below that blocks had to be recomputed.
+
+Here the tail's frozen weights are lazy page reads (Pager.lazy_page,
+csrc/mlx/paged_tensor.h) that MLX evaluates in graph order, after a given
+array:
+
+  forward   block i's page is read after block i's input; every tensor of
+            the page comes from that one read.
+  backward  each frozen linear layer (nn.Linear, nn.QuantizedLinear, called
+            as a module, e.g. as LoRA's base layer) is a custom function
+            whose vjp takes the input gradient from a second read of the
+            page, after the first cotangent that reaches the block (the
+            same operation MLX's own vjp does: cot @ W, or quantized_matmul
+            with transpose flipped, so the results are the same bits).
+
+So the graph never holds a linear layer's weights from its forward to its
+backward: between the two, the pager may evict the page, and the budget,
+not the tail's length, bounds the pages in memory. The page budget also
+throttles MLX: its graph submission waits in the read while the budget is
+full, until the arrays it submitted earlier are freed.
+
+Tensors used otherwise (norm weights, biases, a DoRA layer's weight, MoE
+experts, convolutions) come from the forward read as copies in buffers of
+their own (`held`): the graph keeps them, as it keeps activations, without
+keeping the page's frame.
+
+The pager's schedule sees each tail block twice per micro-batch: forward
+s..L-1, then backward L-1..s (session.use_step_schedule).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# The streamed layers' frozen entries: the tensors their input gradient needs.
+_STREAMED_KEYS = {nn.Linear: ("weight",), nn.QuantizedLinear: ("weight", "scales", "biases")}
+
+
+def streamed_keys(module: nn.Module) -> tuple:
+    """The entries of `module` a streamed tail re-reads in the backward
+    (empty: the module is not streamed; its tensors are held copies)."""
+    return _STREAMED_KEYS.get(type(module), ())
+
+
+def _not_called_as_modules(block: nn.Module) -> set:
+    """ids of linear layers whose weight a parent uses directly (DoRA
+    computes with its base layer's weight): those cannot be streamed."""
+    out = set()
+    for _, m in block.named_modules():
+        base = m.get("linear") if isinstance(m, nn.Module) else None
+        if isinstance(base, nn.Module) and type(m).__name__.startswith("DoRA"):
+            out.add(id(base))
+    return out
+
+
+def plan_block(weights, block: int) -> List[bool]:
+    """For each tensor of block `block`'s page (registration order): True
+    where a streamed tail re-reads it in the backward, False where it is
+    held as a copy from the forward."""
+    layer = weights.model.layers[block]
+    direct = _not_called_as_modules(layer)
+    return [
+        s.key in streamed_keys(s.module) and id(s.module) not in direct for s in weights.slots[weights.page_ids[block]]
+    ]
+
+
+def held_bytes(weights, block: int) -> int:
+    """Bytes a streamed tail holds of block `block` from forward to backward."""
+    mask = plan_block(weights, block)
+    return sum(
+        int(s.placeholder.nbytes) for s, streamed in zip(weights.slots[weights.page_ids[block]], mask) if not streamed
+    )
+
+
+class _StreamedLinear(nn.Linear):
+    def __call__(self, x):
+        return _ACTIVE[id(self)].linear(self, x)
+
+
+class _StreamedQuantizedLinear(nn.QuantizedLinear):
+    def __call__(self, x):
+        return _ACTIVE[id(self)].quantized(self, x)
+
+
+_STREAMED_CLASS = {nn.Linear: _StreamedLinear, nn.QuantizedLinear: _StreamedQuantizedLinear}
+# id(module) -> (_Stream, block, {key: tensor index}) while a tail is streamed.
+_ACTIVE: Dict[int, "_Binding"] = {}
+
+
+class _Binding:
+    def __init__(self, stream: "Stream", block: int, index: Dict[str, int]):
+        self.stream, self.block, self.index = stream, block, index
+
+    def _backward(self, cot: mx.array, key: str) -> Optional[mx.array]:
+        if key not in self.index:
+            return None
+        return self.stream.backward_page(self.block, cot)[self.index[key]]
+
+    def linear(self, m: nn.Module, x: mx.array) -> mx.array:
+        w, b = m["weight"], m.get("bias")
+
+        @mx.custom_function
+        def f(x):
+            return mx.addmm(b, x, w.T) if b is not None else x @ w.T
+
+        @f.vjp
+        def f_vjp(primals, cot, output):
+            return (cot @ self._backward(cot, "weight"),)
+
+        return f(x)
+
+    def quantized(self, m: nn.Module, x: mx.array) -> mx.array:
+        w, scales, biases = m["weight"], m["scales"], m.get("biases")
+        kw = dict(group_size=m.group_size, bits=m.bits, mode=m.mode)
+
+        @mx.custom_function
+        def f(x):
+            return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, **kw)
+
+        @f.vjp
+        def f_vjp(primals, cot, output):
+            return (
+                mx.quantized_matmul(
+                    cot,
+                    self._backward(cot, "weight"),
+                    scales=self._backward(cot, "scales"),
+                    biases=self._backward(cot, "biases"),
+                    transpose=False,
+                    **kw,
+                ),
+            )
+
+        y = f(x)
+        if "bias" in m:
+            y = y + m["bias"]
+        return y
+
+
+class Stream:
+    """Blocks `blocks`' frozen weights as lazy page reads, for one tail
+    segment; `enter(i, x)` binds block i's forward read (after x), once
+    per block per vector-Jacobian product."""
+
+    def __init__(self, weights, blocks):
+        self.weights = weights
+        self.blocks = list(blocks)
+        self.masks = {i: plan_block(weights, i) for i in self.blocks}
+        self._bwd: Dict[int, List[mx.array]] = {}
+        self._bindings: Dict[int, _Binding] = {}
+
+    def enter(self, block: int, x: mx.array) -> None:
+        pid = self.weights.page_ids[block]
+        slots = self.weights.slots[pid]
+        mask = self.masks[block]
+        fwd = self.weights.pager.lazy_page(pid, mx.stop_gradient(x), [not m for m in mask])
+        for s, a in zip(slots, fwd):
+            s.module[s.key] = a
+        self._bwd.pop(block, None)
+
+    def backward_page(self, block: int, after: mx.array) -> List[mx.array]:
+        got = self._bwd.get(block)
+        if got is None:
+            pid = self.weights.page_ids[block]
+            got = self._bwd[block] = self.weights.pager.lazy_page(pid, after, [])
+        return got
+
+    def built(self) -> None:
+        """The vector-Jacobian product is built: the graph now holds what it
+        needs, and nothing else may hold a page's view past its use (a view
+        kept here would keep the frame after the pager evicts the page)."""
+        for i in self.blocks:
+            for s in self.weights.slots[self.weights.page_ids[i]]:
+                s.module[s.key] = s.placeholder
+        self._bwd.clear()
+
+    @contextmanager
+    def bound(self):
+        """The streamed layers swapped in for the duration (and the
+        placeholders back afterwards)."""
+        swapped = []
+        try:
+            for i in self.blocks:
+                pid = self.weights.page_ids[i]
+                index: Dict[int, Dict[str, int]] = {}
+                modules = {}
+                for n, (s, streamed) in enumerate(zip(self.weights.slots[pid], self.masks[i])):
+                    if streamed:
+                        index.setdefault(id(s.module), {})[s.key] = n
+                        modules[id(s.module)] = s.module
+                for mid, m in modules.items():
+                    _ACTIVE[mid] = _Binding(self, i, index[mid])
+                    swapped.append((m, type(m)))
+                    m.__class__ = _STREAMED_CLASS[type(m)]
+            yield self
+        finally:
+            for m, cls in swapped:
+                m.__class__ = cls
+                _ACTIVE.pop(id(m), None)
+            self.built()
