@@ -33,8 +33,8 @@ over a few steps and never past what fits.
 The predicted peak covers what the budget's pool holds during the step:
 
   pages        two of the tail's pages (one in use, one read ahead; all of
-               them if fewer), plus one page for the sweep of the blocks
-               below it
+               them if fewer), or one page for the sweep of the blocks below
+               it if that is more (the two are not needed at once)
   checkpoints  the input of every recomputed block, for every micro-batch,
                plus the hidden state being computed and its cotangent
   held         the tail's frozen tensors the graph keeps as copies (norm
@@ -162,8 +162,10 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     s = max(first, min(L, tail_start))
     rows = -(-step.rows // parts)  # rows per micro-batch
     length = step.length
+    # The sweep's page is released before the tail starts, and the tail's
+    # before the sweep below it: they are not needed at once.
     tail = sorted(fp[s:], reverse=True)
-    pages = sum(tail[:2]) + (max(fp[:s]) if s > 0 else 0)
+    pages = max(sum(tail[:2]), max(fp[:s]) if s > 0 else 0)
     held = sum(step.held[s:]) if step.held else 0
     recomputed = s - first
     spilled = max(0, min(spilled, recomputed))

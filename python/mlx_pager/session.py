@@ -421,9 +421,10 @@ def open_session(
     page_cap = None
     if args.page_budget is not None:
         # Benchmarks and tests: exactly this many bytes of pages, besides
-        # activations for recomputing every block (the memory budget follows).
+        # the activations of the fastest placement, with no block recomputed
+        # (the tail streams its pages, stream.py; the memory budget follows).
         page_cap = int(args.page_budget)
-        plan.activations = placement.evaluate(shape, sizes, L, 1).activations
+        plan.activations = placement.evaluate(shape, sizes, shape.first_trained, 1).activations
         plan.budget = plan.fixed + page_cap
         plan.margin = Governor.margin_for(plan.budget)
         plan.budget = plan.fixed + page_cap

@@ -647,15 +647,25 @@ def accesses_from_marks(
         last = g[-1]
         busy.append(max(0.0, (last.t - t_prev) - (last.wait_s - w_prev)))
         t_prev, w_prev = last.t, last.wait_s
-        blocks = sorted(m.block for m in g) if g[0].phase == "tail" else [g[0].block]
-        out.append(Access(pages=tuple(page_of[b] for b in blocks), hold_s=busy[-1]))
+        if g[0].phase == "tail":
+            # The tail streams its pages (stream.py): each block read for its
+            # forward, then again, in reverse, for its backward (about twice
+            # the forward's compute). One graph: the marks give its total only.
+            blocks = sorted(m.block for m in g)
+            share = busy[-1] / (3 * len(blocks))
+            out.extend(Access(pages=(page_of[b],), hold_s=share) for b in blocks)
+            out.extend(Access(pages=(page_of[b],), hold_s=2 * share) for b in reversed(blocks))
+            continue
+        out.append(Access(pages=(page_of[g[0].block],), hold_s=busy[-1]))
     if not out:
         return out
     after = max(0.0, (end[0] - t_prev) - (end[1] - w_prev))
-    phases = [g[0].phase for g in groups]
+    phases = [ph for g in groups for ph in ([g[0].phase] * (2 * len(g) if g[0].phase == "tail" else 1))]
+
+    holds = [a.hold_s for a in out]
 
     def median_of(phase, skip):
-        xs = [b for b, ph, i in zip(busy, phases, range(len(busy))) if ph == phase and i != skip]
+        xs = [b for i, (b, ph) in enumerate(zip(holds, phases)) if ph == phase and i != skip]
         return statistics.median(xs) if xs else None
 
     # The first access: embedding (and the previous step's update) before it.

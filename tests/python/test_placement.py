@@ -43,7 +43,7 @@ def test_less_memory_means_a_shorter_tail_then_a_split_batch():
             assert q.cost >= mid.cost
     # below what recomputing everything needs whole: the batch is split
     least = P.smallest(st, sz)
-    assert least.parts == 4 and least.tail_start == 8
+    assert least.parts == 4 and least.tail_start >= 7  # a one-block tail needs no more than the sweep
     p = P.choose(st, sz, pool=(none.need + least.need) // 2)
     assert p is not None and p.parts > 1
     assert P.choose(st, sz, pool=least.need - 1) is None
@@ -88,8 +88,10 @@ def test_a_page_cap_does_not_shorten_a_streamed_tail():
     st, sz = shape(), sizes()
     p = P.choose(st, sz, pool=10**12, page_cap=35 * MB)
     assert p.pages <= 35 * MB and p.tail_start == 0 and p.recomputed == 0
-    # room for one page only: the blocks are swept one at a time, recomputed
-    assert P.choose(st, sz, pool=10**12, page_cap=15 * MB).tail_start == 8
+    assert P.choose(st, sz, pool=10**12, page_cap=20 * MB).tail_start == 0
+    # room for one page only: the blocks are swept one at a time, recomputed,
+    # but the last, a tail of one block
+    assert P.choose(st, sz, pool=10**12, page_cap=15 * MB).tail_start == 7
     held = P.evaluate(shape(held=[1 * MB] * 8), sz, 0, 1)
     assert held.activations == P.evaluate(st, sz, 0, 1).activations + 8 * MB
     assert P.evaluate(shape(held=[1 * MB] * 8), sz, 6, 1).activations == P.evaluate(st, sz, 6, 1).activations + 2 * MB

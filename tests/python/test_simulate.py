@@ -263,8 +263,19 @@ def test_accesses_from_marks_split_waits_gaps_and_the_tail():
         M("eval", 0, 13.0, 0.5),  # not a training block
     ]
     acc = sim.accesses_from_marks(marks, start=(10.0, 0.0), end=(12.9, 0.5), page_of=[10, 11, 12, 13])
-    assert [a.pages for a in acc] == [(10,), (11,), (12, 13), (11,), (10,)]
-    assert [round(a.hold_s, 6) for a in acc] == [0.1, 0.1, 1.0, 0.3, 0.3]
+    # The tail streams its pages (stream.py): forward 2, 3, backward 3, 2,
+    # its 1.0 s split one third forward, two thirds backward.
+    assert [a.pages for a in acc] == [(10,), (11,), (12,), (13,), (13,), (12,), (11,), (10,)]
+    assert [round(a.hold_s, 6) for a in acc] == [
+        0.1,
+        0.1,
+        round(1 / 6, 6),
+        round(1 / 6, 6),
+        round(1 / 3, 6),
+        round(1 / 3, 6),
+        0.3,
+        0.3,
+    ]
     # The optimizer update (0.4 s) and the embedding (0.2 s) before block 0.
     assert acc[0].gap_s == pytest.approx(0.6)
     assert sum(a.gap_s for a in acc[1:]) == 0
