@@ -32,9 +32,8 @@ over a few steps and never past what fits.
 
 The predicted peak covers what the budget's pool holds during the step:
 
-  pages        two of the tail's pages (one in use, one read ahead; all of
-               them if fewer), or one page for the sweep of the blocks below
-               it if that is more (the two are not needed at once)
+  pages        one page: the streamed tail and the sweeps below it use one
+               at a time (the pager reads ahead into what the budget leaves)
   checkpoints  the input of every recomputed block, for every micro-batch,
                plus the hidden state being computed and its cotangent
   held         the tail's frozen tensors the graph keeps as copies (norm
@@ -162,10 +161,11 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     s = max(first, min(L, tail_start))
     rows = -(-step.rows // parts)  # rows per micro-batch
     length = step.length
-    # The sweep's page is released before the tail starts, and the tail's
-    # before the sweep below it: they are not needed at once.
-    tail = sorted(fp[s:], reverse=True)
-    pages = max(sum(tail[:2]), max(fp[:s]) if s > 0 else 0)
+    # A streamed tail needs one page at a time, as a sweep does (more lets
+    # reads overlap compute: the pager reads ahead into whatever the budget
+    # leaves); the sweep's page is released before the tail starts, and the
+    # tail's before the sweep below it.
+    pages = max(fp)
     held = sum(step.held[s:]) if step.held else 0
     recomputed = s - first
     spilled = max(0, min(spilled, recomputed))

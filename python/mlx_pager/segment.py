@@ -109,3 +109,40 @@ class Tail:
 
     def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
         return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
+
+
+def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, chunk_bytes: int) -> int:
+    """MLX's peak memory for the tail start..L-1's vector-Jacobian product
+    (streamed, stream.py) on a micro-batch of `rows` x `length` tokens, over
+    the memory active before it: the no-recompute placement's working set,
+    measured before the first step, less the pages it read and kept (the
+    plan counts pages apart). The pager's budget is two pages (beyond what
+    it holds now) for the duration: what a tight budget would stream."""
+    from ._core import IO_ALIGN
+    from .stream import Stream
+
+    L = len(model.layers)
+    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
+    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
+    mb = step.MicroBatch.from_batch(batch, lengths)
+    mb.record(model)
+    h = mb.h0
+    mx.eval(h)
+    pager = weights.pager
+    window = sum(sorted((weights.page_bytes(i) + IO_ALIGN for i in range(start, L)), reverse=True)[:2])
+    old = pager.set_budget(pager.stats()["resident_bytes"] + window)
+    try:
+        with Stream(weights, range(start, L)).bound() as st:
+            base = mx.get_active_memory()
+            resident = pager.stats()["resident_bytes"]
+            mx.reset_peak_memory()
+            loss, g_h, g_blocks = tail_value_and_grad(model, start, mb, h, [None] * L, chunk_bytes, st)
+            mx.eval(loss, g_blocks, [] if g_h is None else g_h)
+            # less the pages it read and kept: the plan counts pages apart
+            read = max(0, pager.stats()["resident_bytes"] - resident)
+            used = max(0, mx.get_peak_memory() - base - read)
+            del loss, g_h, g_blocks
+    finally:
+        pager.set_budget(old)
+    mx.reset_peak_memory()
+    return used

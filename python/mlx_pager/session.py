@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import placement, step, stream, swapcache
+from . import placement, segment, step, stream, swapcache
 from .budget import BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
 from .store import PagedWeights
@@ -197,9 +197,12 @@ class Session:
         # for the same buffers in the same order, each one a cache hit, so
         # the cache never adds to the peak (loop.py empties it when the
         # shapes change). With recompute, phases of other sizes would leave
-        # buffers in the cache beside new ones: not there.
+        # buffers in the cache beside new ones: not there. Nor where the
+        # tail streams pages through a budget that cannot keep them: the
+        # frames it frees mid-step would stay in the cache beside the next.
         unused = max(0, page_budget - sum(self.shape.footprints))
-        one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1
+        streams = page_budget < sum(self.shape.footprints[p.tail_start :])
+        one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not streams
         mx.set_cache_limit(int(self.plan.slack + unused + (p.activations if one_graph else 0)))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
@@ -418,17 +421,6 @@ def open_session(
         max_page=max_page,
         margin=Governor.margin_for(plan_budget),
     )
-    page_cap = None
-    if args.page_budget is not None:
-        # Benchmarks and tests: exactly this many bytes of pages, besides
-        # the activations of the fastest placement, with no block recomputed
-        # (the tail streams its pages, stream.py; the memory budget follows).
-        page_cap = int(args.page_budget)
-        plan.activations = placement.evaluate(shape, sizes, shape.first_trained, 1).activations
-        plan.budget = plan.fixed + page_cap
-        plan.margin = Governor.margin_for(plan.budget)
-        plan.budget = plan.fixed + page_cap
-        budget_error = None
     if training and first < L:
         # One block's forward + vjp measured on one sequence of the longest
         # length, before anything is decided (the formula only stands in
@@ -440,6 +432,26 @@ def open_session(
         except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
             say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
         release_heap()
+    page_cap = None
+    if args.page_budget is not None:
+        # Benchmarks and tests: exactly this many bytes of pages, besides
+        # the activations of the fastest placement, with no block recomputed
+        # (the tail streams its pages, stream.py; the memory budget follows).
+        page_cap = int(args.page_budget)
+        if training and first < L:
+            # Nothing caps the memory here: measure the whole tail's
+            # working set (one sequence) rather than reserve a guess.
+            try:
+                used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes)
+                sizes.learn({"tail": (used, L - first, 1, seq_len)})
+            except Exception as e:  # as for the block probe: the formula plans
+                say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")
+            release_heap()
+        plan.activations = placement.evaluate(shape, sizes, shape.first_trained, 1).activations
+        plan.budget = plan.fixed + page_cap
+        plan.margin = Governor.margin_for(plan.budget)
+        plan.budget = plan.fixed + page_cap
+        budget_error = None
     least = placement.smallest(shape, sizes)
     plan.activations = least.activations
     if budget_error is not None:

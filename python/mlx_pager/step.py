@@ -634,6 +634,8 @@ def paged_value_and_grad(
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
+                if base is not None:
+                    resident = weights.pager.stats()["resident_bytes"]
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
                     s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed
                 )
@@ -641,7 +643,11 @@ def paged_value_and_grad(
                     add(tail_grads, i, g_p)
                 mx.eval(loss, tail_grads, [] if g_h is None else g_h)
                 if base is not None:
-                    probe["tail"] = (_measure_end(probe, base), L - s_tail, mb.rows, int(h.shape[1]))
+                    # The pages the tail read and kept are pages, not its
+                    # working set (the plan counts them apart).
+                    read = max(0, weights.pager.stats()["resident_bytes"] - resident)
+                    used = max(0, _measure_end(probe, base) - read)
+                    probe["tail"] = (used, L - s_tail, mb.rows, int(h.shape[1]))
                 losses.append(loss)
                 ntoks.append(mb.ntoks)
                 cots.append(g_h)

@@ -212,17 +212,23 @@ def _need(s, **kw):
 
 
 def test_spill_rung_writes_checkpoints_and_reads_them_back(ladder_model, ladder_data, tmp_path):
-    """A budget that holds the checkpoints only on the SSD (batches of one
-    sequence: splitting is no option): the checkpoints are spilled and read
-    back, and the adapters are the same bits."""
+    """A budget where the cheapest placement that fits spills checkpoints
+    (every block trained, so every one is checkpointed below a short tail;
+    batches of one sequence: splitting is no option): the checkpoints are
+    spilled and read back, and the adapters are the same bits."""
     L = LADDER_SPEC["num_hidden_layers"]
-    _, unforced = ladder_run(ladder_model, ladder_data, tmp_path / "unforced", batch_size=1)
+    _, unforced = ladder_run(ladder_model, ladder_data, tmp_path / "unforced", batch_size=1, num_layers=L)
 
     def target(s):
-        first = s.first_trained
-        return (_need(s, tail_start=L, parts=1, spilled=L - first) + _need(s, tail_start=L, parts=1, spilled=0)) // 2
+        # The planner's own answer: the smallest pool at which its choice
+        # (below today's placement) spills.
+        for p in sorted(placement.candidates(s.shape, s.sizes), key=lambda p: p.need):
+            q = placement.choose(s.shape, s.sizes, p.need, s.page_cap, at_most=s.placement)
+            if q is not None and q.spilled:
+                return s.plan.fixed_without_activations + p.need
+        raise AssertionError("no budget makes this model spill")
 
-    res, ad = ladder_run(ladder_model, ladder_data, tmp_path, cb=Squeeze(2, target), batch_size=1)
+    res, ad = ladder_run(ladder_model, ladder_data, tmp_path, cb=Squeeze(2, target), batch_size=1, num_layers=L)
     names = rung_names(res)
     assert "spill" in names, names
     spilled = [st for st in res.steps if st["spilled_blocks"]]

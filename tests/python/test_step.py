@@ -182,10 +182,13 @@ def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, b
         assert w.pager.stats()["acquires"] - before == sweep + tail + below, s
 
 
-@pytest.mark.parametrize("arch, bits, dora", [("llama", None, False), ("qwen3", 4, False), ("llama", None, True)])
-def test_a_streamed_tail_needs_two_pages_not_all_of_them(models, tmp_path, arch, bits, dora):
+@pytest.mark.parametrize(
+    "arch, bits, dora, pages",
+    [("llama", None, False, 2), ("qwen3", 4, False, 2), ("llama", None, True, 2), ("llama", None, False, 1)],
+)
+def test_a_streamed_tail_needs_a_page_not_all_of_them(models, tmp_path, arch, bits, dora, pages):
     """No recompute below the budget that holds the tail's pages: with room
-    for two block pages, a tail of every trained block (s = first) reads its
+    for two block pages (or one), a tail of every trained block (s = first) reads its
     weights forward and again backward (stream.py), keeps the pages under
     the budget, and gives default_loss's bits (DoRA: its base weights are
     held copies, the rest streamed)."""
@@ -196,8 +199,8 @@ def test_a_streamed_tail_needs_two_pages_not_all_of_them(models, tmp_path, arch,
     mx.eval(loss, g)
     model, w = paged(path, 3, "in_place", tmp_path, dora=dora)
     L, first = len(model.layers), S.first_trained_block(model)
-    page = max(w.page_bytes(i) for i in range(L)) + IO_ALIGN
-    budget = w.resident_bytes + IO_ALIGN + 2 * page
+    page = max(w.page_bytes(i) for i in range(L)) + 2 * IO_ALIGN  # a frame: the page, aligned
+    budget = w.resident_bytes + IO_ALIGN + pages * page
     w.pager.set_budget(budget)
     w.pager.set_schedule([w.page_ids[i] for i in S.step_schedule(L, first, first)])
     w.pager.evict_all()
