@@ -13,7 +13,9 @@ length, each configuration in its own process (so peak RSS is its own):
                    peak RSS (+5%): where no block needs recomputing
   pager 100..10%   mlx-pager with a page budget of 100/50/25/10% of the paged
                    weights (plus the fixed part: process, resident page,
-                   adapters, activations); conservative readahead (MIN reads)
+                   adapters, and the activations of the no-recompute
+                   placement, whose tail streams its pages, measured at
+                   start-up); conservative readahead (MIN reads)
   aggr 50..10%     the same with aggressive readahead (more reads, more overlap)
   auto 50..10%     the readahead depth and mode simulate.choose_readahead
                    picks from the 'pager' row's measured compute and R (the
