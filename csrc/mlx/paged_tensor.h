@@ -5,11 +5,9 @@
 // hold a page from one use to the next (a segment's forward and backward in
 // one vjp, segment.py/stream.py) needs them later: when MLX reaches them in
 // evaluation order. paged_tensors() returns arrays whose primitive, when
-// evaluated, first lets MLX's stream finish what was submitted before it (the
-// views of pages it is done with are then freed: room for this page, and for
-// the readahead after it), acquires the page (reading it if needed; so the
-// page budget throttles how far MLX's graph submission runs ahead), makes
-// each output either a view of the page's frame (no copy;
+// evaluated, acquires the page (reading it if needed, and blocking while the
+// page budget is full: the budget throttles how far MLX's graph submission
+// runs ahead), makes each output either a view of the page's frame (no copy;
 // the frame lives while the view does) or, where `copy` says so, a copy in
 // its own buffer (for a tensor the graph keeps long after the page's use),
 // and releases the page. The one input `after` orders the read: the page is
