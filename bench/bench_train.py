@@ -530,10 +530,8 @@ def bench_one(name, shape, a, out_dir):
 
     def page_budget(f):
         # 100%: every page fits (page frames carry a little alignment slack).
-        # Below: that share of the pages' frames (what the pager charges: the
-        # weights plus alignment), so that 25% of 8 equal blocks holds 2 of
-        # them. Never below one page: a budget must hold the block in use.
-        return int(1.1 * W) if f == 1 else max(int(f * L * footprint), footprint)
+        # Never below one page: a budget must hold the block in use.
+        return int(1.1 * W) if f == 1 else max(int(f * W), footprint)
 
     measure_rate()
     pager_capped = dict(readahead=4, policy="optimal")

@@ -38,12 +38,12 @@ class PagedTensors : public mx::Primitive {
 
  private:
   void eval(std::vector<mx::array>& outputs) {
-    // Let MLX's stream finish what was submitted before this read: the
-    // earlier pages' views it still holds are then freed, so a page not in
-    // memory finds room, and the readahead this acquire starts finds free
-    // frames for the pages after it (a read then overlaps this block's
-    // compute). The stream idles only while the next ops are submitted.
-    mx::synchronize(stream());
+    // A page not in memory (nor on its way) needs room, which the arrays of
+    // earlier pages that MLX's stream has not finished with may still hold:
+    // let the stream finish them first, rather than wait in the pager.
+    if (tp_->pager().state(page_) == PageState::on_disk) {
+      mx::synchronize(stream());
+    }
     NamedArrays arrays = tp_->acquire(page_);
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       const mx::array& view = arrays.at(i).second;
