@@ -1,10 +1,13 @@
 #include "mlx/paged_tensor.h"
 
+#include <atomic>
 #include <cstring>
+#include <memory>
 
 #include <mlx/allocator.h>
 #include <mlx/ops.h>
 #include <mlx/primitives.h>
+#include <mlx/scheduler.h>
 #include <mlx/transforms.h>
 
 namespace mlx_pager {
@@ -38,11 +41,22 @@ class PagedTensors : public mx::Primitive {
 
  private:
   void eval(std::vector<mx::array>& outputs) {
-    // A page not in memory (nor on its way) needs room, which the arrays of
-    // earlier pages that MLX's stream has not finished with may still hold:
-    // let the stream finish them first, rather than wait in the pager.
+    // This runs when MLX submits the op, ahead of the stream that computes.
+    // A page not in memory (nor on its way) needs room, which earlier pages
+    // the stream still computes with may hold. Wait until the pager's
+    // readahead starts this page (it does once the stream frees one of
+    // them, so the read overlaps the compute still queued), or until the
+    // stream has drained, and fault it in then. A synchronize instead would
+    // wait for all the queued compute before the read even starts.
     if (tp_->pager().state(page_) == PageState::on_disk) {
-      mx::synchronize(stream());
+      if (stream().device == mx::Device::cpu) {
+        auto drained = std::make_shared<std::atomic<bool>>(false);
+        mx::scheduler::enqueue(stream(), [drained] { drained->store(true); });
+        tp_->pager().wait_off_disk(page_, *drained);
+      } else {
+        // A GPU stream's work is not on the scheduler's queue.
+        mx::synchronize(stream());
+      }
     }
     NamedArrays arrays = tp_->acquire(page_);
     for (std::size_t i = 0; i < outputs.size(); ++i) {

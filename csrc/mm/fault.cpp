@@ -214,6 +214,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
       },
       urgent, TraceTag{id, gen});
   lock.lock();
+  cv_.notify_all();  // off disk now (wait_off_disk)
 }
 
 void Pager::abandon_read_locked(Lock& lock, PageId id) {

@@ -26,6 +26,16 @@ void Pager::Accounting::wait_for_free(std::uint64_t seen, std::chrono::milliseco
   cv.wait_for(lock, timeout, [&] { return charged.load() < seen; });
 }
 
+void Pager::Accounting::wake_readahead_below(std::uint64_t seen) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    wake_below = seen;
+  }
+  // The memory may have been freed before wake_below was set: the thread
+  // checks its predicate now, so that free is not missed.
+  cv.notify_all();
+}
+
 std::uint64_t Pager::elapsed_ns(std::chrono::steady_clock::time_point t0) {
   return static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
@@ -64,9 +74,17 @@ Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
   if (!allocator_) {
     throw std::invalid_argument("[Pager] needs a frame allocator");
   }
+  readahead_thread_ = std::thread([this] { readahead_on_free(); });
 }
 
-Pager::~Pager() = default;
+Pager::~Pager() {
+  {
+    std::lock_guard<std::mutex> lock(accounting_->mu);
+    accounting_->stop = true;
+  }
+  accounting_->cv.notify_all();
+  readahead_thread_.join();
+}
 
 // ---------------------------------------------------------------- registry --
 

@@ -12,6 +12,9 @@
 //               optimal policy and readahead (readahead.cpp), which reads the
 //               next pages on I/O threads (page_io.h) while the caller
 //               computes, evicting only pages needed later than the one read.
+//               It runs after every acquire and release, and on its own
+//               thread when memory it was waiting for is freed (an evicted
+//               page's frame that an array still viewed).
 //   pin(p)      resident for good and mlock'ed (mlock.h); never evicted.
 //
 // Integrity: a page registered with a checksum (PageSpec::checked) is
@@ -37,6 +40,8 @@
 //    the access clock, held_bytes_, graveyard_ and stat_. config_,
 //    allocator_ and io_ are set once; accounting_->charged is atomic;
 //    trace_ has its own lock.
+//  - The readahead thread holds Accounting::mu only while it waits; it
+//    calls readahead() with no lock held.
 //  - Lock order: mu_ -> Accounting::mu -> IoBatch::mu_. Accounting::mu and
 //    IoBatch::mu_ are leaves (nothing is locked under them), and so is the
 //    trace recorder's lock (trace.h), taken under any of them. mu_ is NEVER held
@@ -70,6 +75,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mm/frame.h"
@@ -158,6 +164,13 @@ class Pager {
   VmStat stats() const;
   // Starts peak_resident_bytes over from what is charged now.
   void reset_peak();
+  // Blocks while page `id` is on disk, until `done` is true: returns true
+  // once the page is in memory or on its way (readahead read it, e.g. when
+  // memory it waited for was freed), false once `done` came first. Whoever
+  // sets `done` (any thread) needs no call into the pager: it is seen within
+  // kDonePoll. (paged_tensor.cpp waits here for MLX's stream to free the
+  // pages it computes with, or to drain, before faulting a page in.)
+  bool wait_off_disk(PageId id, const std::atomic<bool>& done);
   // Test hook: see page_io.h.
   void set_fault_injector(FaultInjector f) { io_.set_fault_injector(std::move(f)); }
   // Called as hook(page) when a page's bytes on disk fail their checksum
@@ -178,9 +191,15 @@ class Pager {
     std::atomic<std::uint64_t> charged{0};
     std::mutex mu;
     std::condition_variable cv;
+    // Guarded by mu: the readahead thread runs readahead once charged drops
+    // below wake_below (0: it sleeps), and returns on stop.
+    std::uint64_t wake_below = 0;
+    bool stop = false;
     void add(std::uint64_t n) { charged += n; }
     void sub(std::uint64_t n);
     void wait_for_free(std::uint64_t seen, std::chrono::milliseconds timeout);
+    // Wakes the readahead thread once `seen` is no longer all charged.
+    void wake_readahead_below(std::uint64_t seen);
   };
 
   using Lock = std::unique_lock<std::mutex>;
@@ -227,6 +246,9 @@ class Pager {
   // readahead.cpp
   void readahead();
   bool readahead_one_locked(Lock& lock, PageId id);
+  // The readahead thread's loop: readahead again whenever memory that
+  // stopped it (evicted, still referenced) is freed.
+  void readahead_on_free();
   // pager.cpp
   std::uint64_t charged_now() const;
   std::uint64_t pinned_bytes_locked(const Lock& lock) const;
@@ -254,13 +276,17 @@ class Pager {
   // How long make_room waits for evicted memory still referenced outside the
   // pager before it gives up with a BudgetError.
   static constexpr std::chrono::milliseconds kZombieTimeout{2000};
+  static constexpr std::chrono::microseconds kDonePoll{500};
   VmStat stat_;
   std::shared_ptr<const RebuildHook> rebuild_hook_;
   // Its own lock (a leaf); outlives io_, whose threads record into it.
   TraceRecorder trace_;
 
-  // Last member: destroyed first, so no I/O completion runs on a dead pager.
+  // Last members: destroyed first, so no I/O completion runs on a dead pager
+  // (io_), and the readahead thread is stopped and joined by ~Pager before
+  // anything it uses goes.
   PageIO io_;
+  std::thread readahead_thread_;
 };
 
 }  // namespace mlx_pager

@@ -12,6 +12,13 @@
 // step's schedule. It stops at the first page it cannot start: later pages
 // are needed later still.
 //
+// Readahead also stops when the budget is full of memory the pager has let
+// go of but an array still views (an evicted page that MLX's stream still
+// computes with). That memory is freed on whichever thread drops the view,
+// where the pager cannot run; so the pager's readahead thread waits for the
+// charge to drop below what readahead saw and runs it again. The next read
+// then starts as soon as compute lets go of a page, not at the next acquire.
+//
 // That conservative rule can serialise reads and compute when the budget is
 // small: MIN streams the pages it does not keep through ONE slot, so the
 // next page's read cannot start before the current page is released. In
@@ -59,6 +66,41 @@ void Pager::readahead() {
   }
 }
 
+void Pager::readahead_on_free() {
+  Accounting& a = *accounting_;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(a.mu);
+      a.cv.wait(
+          lock, [&] { return a.stop || (a.wake_below > 0 && a.charged.load() < a.wake_below); });
+      if (a.stop) {
+        return;
+      }
+      a.wake_below = 0;
+    }
+    try {
+      readahead();
+    } catch (...) {
+      // Readahead is best effort: the acquire that needs the page reads it
+      // itself and reports what failed.
+    }
+  }
+}
+
+bool Pager::wait_off_disk(PageId id, const std::atomic<bool>& done) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const PageEntry& e = table_.at(id);
+  for (;;) {
+    if (e.state != PageState::on_disk) {
+      return true;
+    }
+    if (done.load()) {
+      return false;
+    }
+    cv_.wait_for(lock, kDonePoll);
+  }
+}
+
 bool Pager::readahead_one_locked(Lock& lock, PageId id) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
@@ -77,7 +119,10 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
       return e.state != PageState::on_disk;  // on disk: it did not fit
     }
     if (charged > held_bytes_) {
-      return false;  // evicted memory not yet freed: do not wait here
+      // Evicted memory not yet freed: do not wait here; the readahead
+      // thread runs this again once some of it is.
+      accounting_->wake_readahead_below(charged);
+      return false;
     }
     // Evict only what MIN would evict when this page is accessed. MIN
     // decides then, among every page in memory (including pages in use or in

@@ -461,6 +461,58 @@ TEST_CASE("pager: memory still referenced after eviction counts until freed") {
   p.release(2);
 }
 
+TEST_CASE("pager: readahead starts once memory it waited for is freed, with no acquire") {
+  // The streamed tail's case: a page the pager evicted is still viewed by an
+  // array (MLX's stream computing with it), so readahead finds the budget
+  // full. Freeing that memory must start the next read at once, not at the
+  // next acquire.
+  Fixture fx(3, 52, "pager_free_readahead.bin");
+  Pager p(config(2, Policy::optimal, 2), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.set_schedule({0, 1, 2, 1}, /*repeat=*/false);
+  Frame held = p.acquire(0);
+  p.release(0);
+  Frame f1 = p.acquire(1);
+  f1 = Frame{};
+  p.release(1);
+  // Page 2 is next: readahead evicts page 0 (never used again), whose memory
+  // `held` still views, and stops.
+  CHECK(p.state(2) == PageState::on_disk);
+  CHECK(p.state(0) == PageState::on_disk);
+  VmStat before = p.stats();  // page 1 was read ahead while 0 was in use
+  held = Frame{};
+  for (int i = 0; i < 5000 && p.state(2) == PageState::on_disk; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(p.state(2) != PageState::on_disk);  // the readahead thread started it
+  CHECK(p.stats().readahead_reads == before.readahead_reads + 1);
+  Frame f2 = p.acquire(2);
+  CHECK(fx.frame_ok(f2, 2));
+  f2 = Frame{};
+  p.release(2);
+  VmStat s = settled(p);
+  CHECK(s.readahead_hits == before.readahead_hits + 1);
+  CHECK(s.peak_resident_bytes <= 2 * kPage);
+}
+
+TEST_CASE("pager: wait_off_disk returns when told, and at once for a page in memory") {
+  Fixture fx(2, 53, "pager_wait_off_disk.bin");
+  Pager p(config(2, Policy::optimal, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  std::atomic<bool> done{false};
+  std::thread setter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    done = true;
+  });
+  CHECK(!p.wait_off_disk(1, done));  // nothing reads page 1: `done` ends the wait
+  setter.join();
+  Frame f = p.acquire(0);
+  std::atomic<bool> not_yet{false};
+  CHECK(p.wait_off_disk(0, not_yet));
+  f = Frame{};
+  p.release(0);
+}
+
 TEST_CASE("pager: pinned pages are never evicted and are mlocked where allowed") {
   Fixture fx(4, 50, "pager_pin.bin");
   Pager p(config(2, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
