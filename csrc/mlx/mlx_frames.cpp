@@ -6,6 +6,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <mlx/allocator.h>
 
@@ -24,6 +25,33 @@ struct MlxFrameOwner {
 
 }  // namespace
 
+MlxFrameAllocator::Kept::~Kept() {
+  if (buffer != nullptr) {
+    mx::allocator::allocator().free(mx::allocator::Buffer(buffer));
+  }
+}
+
+MlxFrameAllocator::MlxFrameAllocator() : kept_(std::make_shared<Kept>()) {}
+
+std::uint64_t MlxFrameAllocator::drop_kept() {
+  void* b = nullptr;
+  std::uint64_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(kept_->mu);
+    b = std::exchange(kept_->buffer, nullptr);
+    n = std::exchange(kept_->size, 0);
+  }
+  if (b != nullptr) {
+    mx::allocator::allocator().free(mx::allocator::Buffer(b));
+  }
+  return n;
+}
+
+std::uint64_t MlxFrameAllocator::kept_bytes() const {
+  std::lock_guard<std::mutex> lock(kept_->mu);
+  return kept_->size;
+}
+
 std::uint64_t MlxFrameAllocator::footprint(std::uint64_t bytes) const {
   // One kIoAlign of slack lets the frame start aligned inside the buffer.
   return bytes + kIoAlign;
@@ -41,7 +69,21 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   // freed without on_free (the caller never saw the frame).
   auto handed_out = std::make_shared<std::atomic<bool>>(false);
   mx::allocator::Allocator& mlx_alloc = mx::allocator::allocator();
-  mx::allocator::Buffer buf = mlx_alloc.malloc(request);
+  // The kept frame, if this page fits it without wasting more than MLX's
+  // own cache would (it hands back buffers up to two pages larger, plus
+  // rounding): pages of one model's blocks are one size.
+  mx::allocator::Buffer buf(nullptr);
+  {
+    std::lock_guard<std::mutex> lock(kept_->mu);
+    if (kept_->buffer != nullptr && kept_->size >= request &&
+        kept_->size <= request + request / 16 + 4 * kIoAlign) {
+      buf = mx::allocator::Buffer(std::exchange(kept_->buffer, nullptr));
+      kept_->size = 0;
+    }
+  }
+  if (buf.ptr() == nullptr) {
+    buf = mlx_alloc.malloc(request);
+  }
   if (buf.ptr() == nullptr) {
     throw std::bad_alloc();
   }
@@ -55,8 +97,19 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   mx::array base(
       mx::allocator::Data(
           buf,
-          [on_free = std::move(on_free), handed_out](mx::allocator::Buffer b) {
-            mx::allocator::allocator().free(b);
+          [on_free = std::move(on_free), handed_out, kept = kept_](mx::allocator::Buffer b) {
+            // Keep this frame for the next read; free the one kept before.
+            mx::allocator::Allocator& a = mx::allocator::allocator();
+            std::uint64_t size = a.size(b);
+            void* old = nullptr;
+            {
+              std::lock_guard<std::mutex> lock(kept->mu);
+              old = std::exchange(kept->buffer, b.ptr());
+              kept->size = size;
+            }
+            if (old != nullptr) {
+              a.free(mx::allocator::Buffer(old));
+            }
             if (handed_out->load()) {
               on_free();
             }

@@ -5,9 +5,17 @@
 // a page's bytes straight into it with direct I/O; the page's tensors are then
 // mx::arrays that view the buffer at their offsets: no copy, and the buffer
 // is freed (and the pager's budget credited) when the last view is gone.
+//
+// Recycling: the allocator keeps the last frame freed (one buffer, outside the
+// pager's budget: the plan's slack, session.py) and hands it to the next
+// allocate() it fits, so a page streamed through a small budget lands in
+// memory already mapped. Freeing frames to MLX instead costs a fresh mapping
+// (page faults, zeroing) per read, and MLX's own cache keeps a freed frame
+// only when its limit has room, which activations may have taken.
 #pragma once
 
 #include <memory>
+#include <mutex>
 
 #include <mlx/array.h>
 
@@ -19,14 +27,32 @@ namespace mx = mlx::core;
 
 class MlxFrameAllocator : public FrameAllocator {
  public:
+  MlxFrameAllocator();
   std::uint64_t footprint(std::uint64_t bytes) const override;
   Frame allocate(std::uint64_t bytes, std::function<void()> on_free) override;
+  // Frees the kept frame to MLX (then mx.clear_cache() can return it to the
+  // OS). Returns its bytes (0: none was kept).
+  std::uint64_t drop_kept();
+  // The kept frame's bytes (0: none).
+  std::uint64_t kept_bytes() const;
 
   // A row-major array of `dtype` and `shape` viewing the frame at
   // `frame_offset` (which must be a multiple of the dtype's size). The view
   // keeps the frame's memory alive.
   static mx::array view(
       const Frame& frame, std::uint64_t frame_offset, mx::Dtype dtype, const mx::Shape& shape);
+
+  // The one frame kept for reuse; shared with the frames' deleters, which
+  // may run after the allocator is gone (on any thread).
+  struct Kept {
+    ~Kept();
+    mutable std::mutex mu;
+    void* buffer = nullptr;  // an mx::allocator::Buffer's ptr(); null: none
+    std::uint64_t size = 0;  // its size from MLX's allocator
+  };
+
+ private:
+  std::shared_ptr<Kept> kept_;
 };
 
 }  // namespace mlx_pager

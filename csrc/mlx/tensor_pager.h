@@ -69,6 +69,9 @@ class TensorPager {
 
   Pager& pager() { return pager_; }
   const Pager& pager() const { return pager_; }
+  // The frames' allocator, which keeps the last frame freed for reuse.
+  MlxFrameAllocator& frames() { return *alloc_; }
+  const MlxFrameAllocator& frames() const { return *alloc_; }
 
  private:
   struct Placed {

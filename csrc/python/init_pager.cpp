@@ -186,6 +186,12 @@ void init_pager(nb::module_& m) {
           "page"_a)
       .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
       .def(
+          "drop_kept_frame", [](TensorPager& tp) { return tp.frames().drop_kept(); },
+          "Frees the frame kept for the next read to MLX (mlx_frames.h); returns its bytes.")
+      .def(
+          "kept_frame_bytes", [](const TensorPager& tp) { return tp.frames().kept_bytes(); },
+          "Bytes of the frame kept for the next read (outside the page budget).")
+      .def(
           "reset_peak", [](TensorPager& tp) { tp.pager().reset_peak(); },
           "Starts stats()['peak_resident_bytes'] over from what is resident now.")
       .def(

@@ -171,6 +171,9 @@ class Governor:
         limit = self.plan.budget - self.margin
         if rss <= limit:
             return
+        drop_kept = getattr(self.pager, "drop_kept_frame", None)
+        if drop_kept is not None:
+            drop_kept()  # the frame kept for the next read goes with MLX's cache
         mx.clear_cache()
         rss = process_rss()
         if rss <= limit:

@@ -197,13 +197,22 @@ class Session:
         # for the same buffers in the same order, each one a cache hit, so
         # the cache never adds to the peak (loop.py empties it when the
         # shapes change). With recompute, phases of other sizes would leave
-        # buffers in the cache beside new ones: not there. Nor where the
-        # tail streams pages through a budget that cannot keep them: the
-        # frames it frees mid-step would stay in the cache beside the next.
+        # buffers in the cache beside new ones: not there. A tail streaming
+        # its pages through a small budget is one graph too: the pager keeps
+        # the last frame freed for the next read (mlx_frames.h), so MLX's
+        # cache does not fill with frames; the slack that held one frame in
+        # MLX's cache holds it there instead. Except through a budget of one
+        # frame, where MLX's stream drains before every read (nothing frees
+        # the frame before): the buffers it frees then stay in the cache
+        # beside the next ones (measured 1.03-1.06x the plan).
         unused = max(0, page_budget - sum(self.shape.footprints))
-        streams = page_budget < sum(self.shape.footprints[p.tail_start :])
-        one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not streams
-        mx.set_cache_limit(int(self.plan.slack + unused + (p.activations if one_graph else 0)))
+        tail = self.shape.footprints[p.tail_start :]
+        streams = page_budget < sum(tail)
+        one_frame = streams and page_budget < 2 * max(tail, default=0)
+        one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
+        kept = self.plan.max_page if hasattr(self.gov.pager, "drop_kept_frame") else 0
+        cache = max(0, self.plan.slack - kept) + unused + (p.activations if one_graph else 0)
+        mx.set_cache_limit(int(cache))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
             mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one

@@ -636,6 +636,7 @@ def paged_value_and_grad(
                 base = _measure_start(probe) if m == 0 else None
                 if base is not None:
                     resident = weights.pager.stats()["resident_bytes"]
+                    kept = weights.pager.kept_frame_bytes()
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
                     s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed
                 )
@@ -644,8 +645,10 @@ def paged_value_and_grad(
                 mx.eval(loss, tail_grads, [] if g_h is None else g_h)
                 if base is not None:
                     # The pages the tail read and kept are pages, not its
-                    # working set (the plan counts them apart).
+                    # working set (the plan counts them apart); so is the
+                    # frame the pager keeps for its next read (the slack).
                     read = max(0, weights.pager.stats()["resident_bytes"] - resident)
+                    read += max(0, weights.pager.kept_frame_bytes() - kept)
                     used = max(0, _measure_end(probe, base) - read)
                     probe["tail"] = (used, L - s_tail, mb.rows, int(h.shape[1]))
                 losses.append(loss)

@@ -160,3 +160,35 @@ def test_bad_inputs_are_errors_not_crashes(tmp_path):
         p.acquire(3)
     with pytest.raises(Exception, match="no page named"):
         p.acquire("nope")
+
+
+def test_a_freed_frame_is_kept_for_the_next_read_and_can_be_dropped(tmp_path):
+    # mlx_frames.h: the last frame freed is reused by the next read that fits
+    # it (memory already mapped), outside the page budget; dropping it frees it.
+    n = 3
+    blocks = {f"b{i}": mx.full((64, 256), float(i)) for i in range(n)}
+    path = tmp_path / "blocks.safetensors"
+    mx.save_safetensors(str(path), blocks)
+    tensors, _, _ = read_safetensors_index(str(path))
+    p = Pager(1, readahead=0, policy="lru")
+    ids = []
+    for i in range(n):
+        dt, shape, off, nb = tensors[f"b{i}"]
+        ids.append(p.add_page_in_place(f"p{i}", [(f"b{i}", str(path), off, nb, dt, shape)]))
+    p.set_budget(p.page_bytes(ids[0]) + 3 * 4096)  # one frame
+    assert p.kept_frame_bytes() == 0
+    for i in ids:
+        arrays = p.acquire(i)
+        assert p.kept_frame_bytes() == 0  # the read took the frame kept before it
+        assert same_bytes(arrays[f"b{i}"], blocks[f"b{i}"])
+        p.release(i)
+        del arrays
+        p.evict_all()  # the frame is freed: kept, outside the budget
+        assert p.stats()["resident_bytes"] == 0
+        assert p.kept_frame_bytes() >= p.page_bytes(i)
+    assert p.stats()["pages_read"] == n
+    assert p.stats()["peak_resident_bytes"] <= p.budget
+    kept = p.kept_frame_bytes()
+    assert p.drop_kept_frame() == kept
+    assert p.kept_frame_bytes() == 0
+    assert p.drop_kept_frame() == 0
