@@ -319,7 +319,8 @@ def worker_pager(cfg):
         "peak_rss": vm_hwm(),
         "mlx_peak": max(s["mlx_peak"] for s in steps),
         "budget": p.budget,
-        "page_budget": p.page_budget,
+        # the pages' budget the governor gave the pager (--page-budget caps the plan's)
+        "page_budget": p.page_budget if cfg["page_budget"] is None else min(cfg["page_budget"], p.page_budget),
         "page_footprint": p.max_page,
         "page_footprints": res.page_footprints,
         "report": str(report),
@@ -530,8 +531,11 @@ def bench_one(name, shape, a, out_dir):
 
     def page_budget(f):
         # 100%: every page fits (page frames carry a little alignment slack).
-        # Never below one page: a budget must hold the block in use.
-        return int(1.1 * W) if f == 1 else max(int(f * W), footprint)
+        # Below: that share of the pages' frames (what the pager charges: the
+        # weights plus each frame's few KB of alignment), so that 25% of 8
+        # equal blocks holds 2 of them, not 2 less their alignment (which is
+        # 1). Never below one page: a budget must hold the block in use.
+        return int(1.1 * W) if f == 1 else max(int(f * L * footprint), footprint)
 
     measure_rate()
     pager_capped = dict(readahead=4, policy="optimal")
