@@ -166,6 +166,11 @@ TEST_CASE("tensor_pager: eviction frees MLX memory once the arrays are gone") {
     CHECK(tp.pager().stats().resident_bytes_now >= (4u << 20));
   }
   CHECK_EQ(tp.pager().stats().resident_bytes_now, 0u);
+  // The frame is kept for the next read (mlx_frames.h) until dropped.
+  CHECK(tp.frames().kept_bytes() >= (4u << 20));
+  CHECK(mx::get_active_memory() >= before + (4u << 20));
+  CHECK(tp.frames().drop_kept() >= (4u << 20));
+  CHECK_EQ(tp.frames().kept_bytes(), 0u);
   CHECK(mx::get_active_memory() <= before);
 }
 
