@@ -135,8 +135,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
         with Stream(weights, range(start, L)).bound() as st:
             # The frame the pager keeps for its next read is the plan's slack
             # (mlx_frames.h), not the tail's: measure without it.
-            drop_kept = getattr(pager, "drop_kept_frame", lambda: 0)
-            drop_kept()
+            pager.drop_kept_frame()
             base = mx.get_active_memory()
             resident = pager.stats()["resident_bytes"]
             mx.reset_peak_memory()
@@ -144,8 +143,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
             mx.eval(loss, g_blocks, [] if g_h is None else g_h)
             # less the pages it read and kept: the plan counts pages apart
             read = max(0, pager.stats()["resident_bytes"] - resident)
-            kept = getattr(pager, "kept_frame_bytes", lambda: 0)()
-            used = max(0, mx.get_peak_memory() - base - read - kept)
+            used = max(0, mx.get_peak_memory() - base - read - pager.kept_frame_bytes())
             del loss, g_h, g_blocks
     finally:
         pager.set_budget(old)

@@ -210,8 +210,7 @@ class Session:
         streams = page_budget < sum(tail)
         one_frame = streams and page_budget < 2 * max(tail, default=0)
         one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
-        kept = self.plan.max_page if hasattr(self.gov.pager, "drop_kept_frame") else 0
-        cache = max(0, self.plan.slack - kept) + unused + (p.activations if one_graph else 0)
+        cache = max(0, self.plan.slack - self.plan.max_page) + unused + (p.activations if one_graph else 0)
         mx.set_cache_limit(int(cache))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
