@@ -72,14 +72,27 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   // The kept frame, if this page fits it without wasting more than MLX's
   // own cache would (it hands back buffers up to two pages larger, plus
   // rounding): pages of one model's blocks are one size.
+  // A kept frame this page does not fit is freed first: the kept frame is
+  // the one the pager's charge just dropped, so the charge plus the kept
+  // frame never exceeds what the charge once was (the page budget), and a
+  // new frame never lands beside a stale one.
   mx::allocator::Buffer buf(nullptr);
+  void* stale = nullptr;
   {
     std::lock_guard<std::mutex> lock(kept_->mu);
-    if (kept_->buffer != nullptr && kept_->size >= request &&
-        kept_->size <= request + request / 16 + 4 * kIoAlign) {
-      buf = mx::allocator::Buffer(std::exchange(kept_->buffer, nullptr));
+    if (kept_->buffer != nullptr) {
+      void* b = std::exchange(kept_->buffer, nullptr);
+      bool fits = kept_->size >= request && kept_->size <= request + request / 16 + 4 * kIoAlign;
       kept_->size = 0;
+      if (fits) {
+        buf = mx::allocator::Buffer(b);
+      } else {
+        stale = b;
+      }
     }
+  }
+  if (stale != nullptr) {
+    mlx_alloc.free(mx::allocator::Buffer(stale));
   }
   if (buf.ptr() == nullptr) {
     buf = mlx_alloc.malloc(request);

@@ -6,12 +6,14 @@
 // mx::arrays that view the buffer at their offsets: no copy, and the buffer
 // is freed (and the pager's budget credited) when the last view is gone.
 //
-// Recycling: the allocator keeps the last frame freed (one buffer, outside the
-// pager's budget: the plan's slack, session.py) and hands it to the next
-// allocate() it fits, so a page streamed through a small budget lands in
-// memory already mapped. Freeing frames to MLX instead costs a fresh mapping
-// (page faults, zeroing) per read, and MLX's own cache keeps a freed frame
-// only when its limit has room, which activations may have taken.
+// Recycling: the allocator keeps the last frame freed (one buffer, no longer
+// charged to the pager's budget) and hands it to the next allocate() it fits,
+// so a page streamed through a small budget lands in memory already mapped.
+// An allocate() it does not fit frees it first. The kept frame is the one
+// whose free just lowered the pager's charge, so charge + kept frame stays
+// within the page budget: the plan needs no slack for it. Freeing frames to MLX instead costs a
+// fresh mapping (page faults, zeroing) per read, and MLX's own cache keeps a freed frame only when
+// its limit has room, which activations may have taken.
 #pragma once
 
 #include <memory>

@@ -477,7 +477,7 @@ def load_paged(
         trainable=sum(a.nbytes for a in adapters),
         activations=0,
         # MLX's buffer cache keeps one freed page frame for the next read.
-        slack=plan_slack(max_page),
+        slack=plan_slack(),
         max_page=max_page,
     )
     paged = PagedModel(model, weights, plan, config, act.size, prefill_step_size, max_kv_tokens, page_budget)

@@ -125,8 +125,8 @@ class Governor:
     def __post_init__(self):
         if self.margin == 0:
             self.margin = self.plan.margin or self.margin_for(self.plan.budget)
-        # MLX's cache of freed buffers: room to recycle a page frame, so that
-        # the next read lands in memory already mapped (see the plan's slack).
+        # MLX's cache of freed buffers, up to the plan's slack (session.place
+        # raises it where the step's own buffers may be cached).
         mx.set_cache_limit(int(self.plan.slack))
         mx.set_memory_limit(int(self.plan.budget))
         self.pager.set_budget(int(self.pinned_bytes + self.plan.page_budget))

@@ -133,7 +133,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
     old = pager.set_budget(pager.stats()["resident_bytes"] + window)
     try:
         with Stream(weights, range(start, L)).bound() as st:
-            # The frame the pager keeps for its next read is the plan's slack
+            # The frame the pager keeps for its next read is the pages'
             # (mlx_frames.h), not the tail's: measure without it.
             pager.drop_kept_frame()
             base = mx.get_active_memory()

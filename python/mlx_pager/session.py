@@ -36,16 +36,16 @@ from .store import PagedWeights
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
 _STATE_COPIES = 3
 _OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1, "adafactor": 2}
-# MLX's buffer cache keeps one freed page frame for the next read to reuse
-# (a fresh frame costs page faults and zeroing on every read), plus allocator
-# rounding: the slack is at least this, and at least one page + this margin.
-_MIN_SLACK = 48 << 20
-_SLACK_MARGIN = 16 << 20
+# MLX's buffer cache and allocator rounding. No page frame: the frame the
+# pager keeps for its next read (mlx_frames.h) is one whose free lowered the
+# pager's charge, so it stays within the page budget.
+_SLACK = 48 << 20
 
 
-def plan_slack(max_page: int) -> int:
-    """The plan's slack for a model whose largest page frame is `max_page`."""
-    return max(_MIN_SLACK, max_page + _SLACK_MARGIN)
+def plan_slack() -> int:
+    """The plan's slack: what MLX's buffer cache and allocator rounding may
+    hold beside the pages, the activations and the state."""
+    return _SLACK
 
 
 def default_budget() -> int:
@@ -199,18 +199,17 @@ class Session:
         # shapes change). With recompute, phases of other sizes would leave
         # buffers in the cache beside new ones: not there. A tail streaming
         # its pages through a small budget is one graph too: the pager keeps
-        # the last frame freed for the next read (mlx_frames.h), so MLX's
-        # cache does not fill with frames; the slack that held one frame in
-        # MLX's cache holds it there instead. Except through a budget of one
-        # frame, where MLX's stream drains before every read (nothing frees
-        # the frame before): the buffers it frees then stay in the cache
-        # beside the next ones (measured 1.03-1.06x the plan).
+        # the last frame freed for the next read (mlx_frames.h), within its
+        # budget, so MLX's cache does not fill with frames. Except through a
+        # budget of one frame, where MLX's stream drains before every read
+        # (nothing frees the frame before): the buffers it frees then stay in
+        # the cache beside the next ones (measured 1.03-1.06x the plan).
         unused = max(0, page_budget - sum(self.shape.footprints))
         tail = self.shape.footprints[p.tail_start :]
         streams = page_budget < sum(tail)
         one_frame = streams and page_budget < 2 * max(tail, default=0)
         one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
-        cache = max(0, self.plan.slack - self.plan.max_page) + unused + (p.activations if one_graph else 0)
+        cache = self.plan.slack + unused + (p.activations if one_graph else 0)
         mx.set_cache_limit(int(cache))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
@@ -404,7 +403,7 @@ def open_session(
         budget_error = e
     seq_len = longest_batch(args.max_seq_length, datasets)
     max_page = weights.max_page_bytes + IO_ALIGN
-    slack = plan_slack(max_page)
+    slack = plan_slack()
     L = len(model.layers)
     # Forward-only evaluation keeps no checkpoints: plan it as a step with
     # no trained block.

@@ -174,6 +174,37 @@ TEST_CASE("tensor_pager: eviction frees MLX memory once the arrays are gone") {
   CHECK(mx::get_active_memory() <= before);
 }
 
+TEST_CASE("tensor_pager: a kept frame a page does not fit is freed before its frame is allocated") {
+  std::unordered_map<std::string, mx::array> small = {{"w", mx::ones({1024, 1024})}};
+  std::unordered_map<std::string, mx::array> large = {{"w", mx::ones({2048, 1024})}};
+  mx::eval(small.at("w"), large.at("w"));
+  std::string small_path = check::temp_dir() + "/small.safetensors";
+  std::string large_path = check::temp_dir() + "/large.safetensors";
+  mx::save_safetensors(small_path, small);
+  mx::save_safetensors(large_path, large);
+  small.clear();
+  large.clear();
+  TensorPager tp(cfg(16 << 20));
+  PageId a = tp.add_page_in_place("small", from_index(read_safetensors_index(small_path)));
+  PageId b = tp.add_page_in_place("large", from_index(read_safetensors_index(large_path)));
+  std::size_t before = mx::get_active_memory();
+  tp.acquire(a);
+  tp.release(a);
+  tp.pager().evict_all();
+  CHECK(tp.frames().kept_bytes() >= (4u << 20));  // the 4 MB frame, kept
+  {
+    NamedArrays got = tp.acquire(b);  // 8 MB: the kept frame does not fit it
+    CHECK_EQ(tp.frames().kept_bytes(), 0u);
+    // The page's frame alone, not beside the stale 4 MB one.
+    CHECK(mx::get_active_memory() < before + (12u << 20));
+    CHECK_EQ(mx::sum(got[0].second).item<float>(), 2048.0f * 1024.0f);
+    tp.release(b);
+  }
+  tp.pager().evict_all();
+  tp.frames().drop_kept();
+  CHECK(mx::get_active_memory() <= before);
+}
+
 TEST_CASE("tensor_pager: pages written to the swap file read back exactly") {
   auto ref = every_dtype();
   std::string swap = check::temp_dir() + "/pages.swap";
