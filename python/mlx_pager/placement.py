@@ -76,6 +76,10 @@ class Sizes:
     tail_per_token: Optional[float] = None
     tail_len: int = 0
     tail_blocks: int = 0
+    # One forward-only block's measured peak (a sweep's, with no graph kept),
+    # per token, at `forward_len` (None: never measured; block() stands in).
+    forward_per_token: Optional[float] = None
+    forward_len: int = 0
     head_chunk_bytes: int = 64 << 20
 
     def _scale(self, per_token: float, at_len: int, rows: int, length: int) -> int:
@@ -84,6 +88,14 @@ class Sizes:
     def block(self, rows: int, length: int) -> int:
         """One recomputed block's forward + vjp, for a micro-batch."""
         return self._scale(self.block_per_token, self.block_len, rows, length) + self.block_fixed
+
+    def forward(self, rows: int, length: int) -> int:
+        """One block's forward with no graph kept (the sweep below the tail),
+        for a micro-batch: measured, or else a recomputed block's estimate
+        (a forward and its vjp: more)."""
+        if self.forward_per_token is None:
+            return self.block(rows, length)
+        return self._scale(self.forward_per_token, self.forward_len, rows, length)
 
     def head(self, rows: int, length: int) -> int:
         """The chunked head's loss and gradient (float32 logits, softmax and
@@ -115,6 +127,10 @@ class Sizes:
             nbytes, rows, length = probe["block"]
             self.block_per_token = max(0, nbytes - self.block_fixed) / max(1, rows * length)
             self.block_len = length
+        if "forward" in probe:
+            nbytes, rows, length = probe["forward"]
+            self.forward_per_token = nbytes / max(1, rows * length)
+            self.forward_len = length
         if "tail" in probe:
             nbytes, blocks, rows, length = probe["tail"]
             self.tail_per_token = nbytes / max(1, rows * length)
@@ -178,7 +194,9 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
         # one more block's read ahead), and one being written.
         pages += 2 * step.micro_batches(parts) * _slot(sizes.checkpoint(rows, length))
         checkpoints += sizes.checkpoint(rows, length)
-    work = [sizes.block(rows, length)]  # a forward block, or a recomputed one
+    work = [sizes.forward(rows, length)]  # a block of the forward sweep
+    if recomputed:
+        work.append(sizes.block(rows, length))  # a recomputed block: forward and vjp
     if s < L:
         work.append(sizes.tail(L - s, rows, length))
     else:

@@ -614,8 +614,20 @@ def paged_value_and_grad(
             # part's working set in memory, not all of them.
             out = []
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
+                base = _measure_start(probe) if m == 0 else None
+                if base is not None:
+                    resident = weights.pager.stats()["resident_bytes"]
+                    kept = weights.pager.kept_frame_bytes()
                 out.append(blocks.forward(i, h, mb.calls[i], keys[i][m]))
                 mx.eval(out[-1])
+                if base is not None:
+                    # One forward block's working set, less the pages read
+                    # ahead meanwhile (the largest of the sweep's blocks).
+                    read = max(0, weights.pager.stats()["resident_bytes"] - resident)
+                    read += max(0, weights.pager.kept_frame_bytes() - kept)
+                    used = max(0, _measure_end(probe, base) - read)
+                    if used >= probe.get("forward", (0,))[0]:
+                        probe["forward"] = (used, mb.rows, int(h.shape[1]))
             hs = out
         if on_block is not None:
             on_block("forward", i)
@@ -646,7 +658,7 @@ def paged_value_and_grad(
                 if base is not None:
                     # The pages the tail read and kept are pages, not its
                     # working set (the plan counts them apart); so is the
-                    # frame the pager keeps for its next read (the slack).
+                    # frame the pager keeps for its next read.
                     read = max(0, weights.pager.stats()["resident_bytes"] - resident)
                     read += max(0, weights.pager.kept_frame_bytes() - kept)
                     used = max(0, _measure_end(probe, base) - read)

@@ -70,6 +70,21 @@ def test_a_measured_block_replaces_the_formula():
     assert sz.block(1, 128) == 1 * MB + 1 * MB  # the weight copy does not shrink with rows
 
 
+def test_a_measured_forward_block_sizes_the_sweep_and_not_a_recomputed_block():
+    st = shape(footprints=[10 * MB] * 8, first_trained=4)
+    sz = sizes(block_fixed=8 * MB)  # the estimate counts a weight copy
+    tail = {"tail": (1 * MB, 4, 4, 128)}
+    sz.learn(tail)
+    streamed = P.evaluate(st, sz, 4, 1)  # nothing recomputed: the sweep is the largest work
+    assert streamed.activations >= sz.block(4, 128)  # unmeasured: the forward is sized as a block
+    sz.learn({"forward": (2 * MB, 4, 128)})
+    assert sz.forward(4, 128) == 2 * MB and sz.forward(2, 128) == 1 * MB
+    assert P.evaluate(st, sz, 4, 1).activations < streamed.activations
+    assert P.evaluate(st, sz, 4, 1).activations < sz.block(4, 128)
+    # a recomputed block runs its forward and vjp: still the block's size
+    assert P.evaluate(st, sz, 6, 1).activations >= sz.block(4, 128)
+
+
 def test_the_ladder_only_goes_down():
     st, sz = shape(), sizes()
     top = P.choose(st, sz, pool=10**12)
