@@ -190,7 +190,7 @@ void init_pager(nb::module_& m) {
           "Frees the frame kept for the next read to MLX (mlx_frames.h); returns its bytes.")
       .def(
           "kept_frame_bytes", [](const TensorPager& tp) { return tp.frames().kept_bytes(); },
-          "Bytes of the frame kept for the next read (outside the page budget).")
+          "Bytes of the frame kept for the next read (no longer charged to the budget).")
       .def(
           "reset_peak", [](TensorPager& tp) { tp.pager().reset_peak(); },
           "Starts stats()['peak_resident_bytes'] over from what is resident now.")

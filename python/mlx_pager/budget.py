@@ -8,7 +8,8 @@ The budget covers the whole process (what a cgroup or the OS would charge):
            + trainable state (adapters, their gradients, optimizer state)
            + activations    (block checkpoints, one block's forward+backward
                               working set, one chunk of head logits)
-           + slack          (MLX's buffer cache, allocator rounding)
+           + slack          (MLX's buffer cache, allocator rounding; grown to
+                             what the steps measure beyond the other terms)
            + page budget    (block pages resident or in flight; at least one)
 
 The page budget is what is left; it must hold the largest block's page.
@@ -31,6 +32,14 @@ _UNITS = {
     "TiB": 2**40,
 }
 _FORMAT = "a number and a unit with no space, e.g. 12GB, 512MB or 1.5GiB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+
+
+# What MLX's buffer cache and allocator rounding may hold beside everything
+# else, before a step has measured more (the plan's first slack, and the
+# cache limit's floor). No page frame: the frame the pager keeps for its next
+# read (mlx_frames.h) is one whose free lowered the pager's charge, so it
+# stays within the page budget.
+CACHE_SLACK = 48 << 20
 
 
 class BudgetError(ValueError):

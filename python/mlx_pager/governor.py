@@ -32,7 +32,7 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 
-from .budget import BudgetError, MemoryPlan, format_size
+from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size
 
 
 def process_rss() -> int:
@@ -125,9 +125,9 @@ class Governor:
     def __post_init__(self):
         if self.margin == 0:
             self.margin = self.plan.margin or self.margin_for(self.plan.budget)
-        # MLX's cache of freed buffers, up to the plan's slack (session.place
-        # raises it where the step's own buffers may be cached).
-        mx.set_cache_limit(int(self.plan.slack))
+        # MLX's cache of freed buffers (session.place raises the limit where
+        # the step's own buffers may be cached).
+        mx.set_cache_limit(CACHE_SLACK)
         mx.set_memory_limit(int(self.plan.budget))
         self.pager.set_budget(int(self.pinned_bytes + self.plan.page_budget))
 

@@ -222,6 +222,7 @@ def _value_and_grad(s: Session, group, on_block, it: int):
                 parts=q.parts,
             )
     probe["placement"] = p
+    probe["page_budget"] = s.gov.page_budget
     probe["predicted_peak"] = s.predicted_peak(p)
     if s.spill is not None:
         probe["spilled_bytes"] = s.spill.bytes_written - spill_before[0]
@@ -394,6 +395,11 @@ def train(
             }
             result.steps.append(rec)
             cb.on_step(rec)
+            # What the step's peak held beyond the plan's terms joins its slack
+            # (MLX's cache inside one graph, memory outside MLX): the next
+            # step's pages make room for it.
+            if s.learn_peak(step_peak, probe["placement"], probe["page_budget"]):
+                s.replan(refresh=True)
             cb.progress_advance(len(group))
 
             for j, loss, ntok in zip(its, step_losses, toks):

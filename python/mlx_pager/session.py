@@ -29,23 +29,23 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import placement, segment, step, stream, swapcache
-from .budget import BudgetError, MemoryPlan, format_size, parse_size
+from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
 from .store import PagedWeights
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
 _STATE_COPIES = 3
 _OPTIMIZER_MOMENTS = {"adam": 2, "adamw": 2, "sgd": 1, "adafactor": 2}
-# MLX's buffer cache and allocator rounding. No page frame: the frame the
-# pager keeps for its next read (mlx_frames.h) is one whose free lowered the
-# pager's charge, so it stays within the page budget.
-_SLACK = 48 << 20
+
+# The least headroom Session.learn_peak adds over what a step's peak held.
+_PEAK_JITTER_MIN = 4 << 20
 
 
 def plan_slack() -> int:
-    """The plan's slack: what MLX's buffer cache and allocator rounding may
-    hold beside the pages, the activations and the state."""
-    return _SLACK
+    """The plan's slack before a step has run: what MLX's buffer cache and
+    allocator rounding may hold beside the pages, the activations and the
+    state (Session.learn_peak grows it to what the steps measure)."""
+    return CACHE_SLACK
 
 
 def default_budget() -> int:
@@ -209,16 +209,17 @@ class Session:
         streams = page_budget < sum(tail)
         one_frame = streams and page_budget < 2 * max(tail, default=0)
         one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
-        cache = self.plan.slack + unused + (p.activations if one_graph else 0)
+        cache = CACHE_SLACK + unused + (p.activations if one_graph else 0)
         mx.set_cache_limit(int(cache))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
             mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one
 
-    def replan(self, probe: Optional[dict] = None, smaller: bool = False) -> bool:
+    def replan(self, probe: Optional[dict] = None, smaller: bool = False, refresh: bool = False) -> bool:
         """Takes in a step's measurements and picks the placement for the
         next one; `smaller`: one that needs less memory than the current one
-        (a step did not fit; the run never goes back above it). Returns
+        (a step did not fit; the run never goes back above it); `refresh`:
+        place it even if unchanged (the plan's fixed part changed). Returns
         False when nothing fits."""
         if probe:
             self.sizes.learn(probe)
@@ -235,8 +236,9 @@ class Session:
         if smaller:
             self.ceiling = p
         old = self.placement
-        if p != old:
+        if p != old or refresh:
             self.place(p)
+        if p != old:
             if not smaller and old is not None:
                 # The pool changed (a budget lowered, sizes measured): a
                 # placement that needs less is a rung of the ladder too.
@@ -253,13 +255,38 @@ class Session:
                     self.gov.record(rung, f"next step: {placement.describe(p, len(self.model.layers))}")
         return True
 
-    def predicted_peak(self, p: Optional["placement.Placement"] = None) -> int:
+    def learn_peak(self, measured: int, ran: "placement.Placement", page_budget: int) -> bool:
+        """Takes in a step's measured peak RSS (the kernel's high-water
+        mark), beside the peak the plan now predicts for the placement it ran
+        with (`ran`, at `page_budget`), from the sizes the step measured.
+        What went over is memory no term of the plan sees: MLX's cache
+        holding buffers a graph freed beside those it allocates next (MLX's
+        peak counter sees only the latter), and the process's own memory
+        outside MLX (OpenBLAS's per-thread buffers appear with the first
+        matmul). The slack grows by it, so the pages make room for it and
+        later predictions hold (with --page-budget, the memory budget follows).
+        Returns True when it grew."""
+        again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled)
+        over = measured - self.predicted_peak(again, page_budget)
+        if over <= 0:
+            return False
+        # and 1% more: peaks of steps of one shape differ by about that
+        over += max(_PEAK_JITTER_MIN, measured // 100)
+        self.plan.slack += over
+        if self.page_cap is not None:
+            # --page-budget: the memory budget follows the pages (open()).
+            self.plan.budget += over
+            mx.set_memory_limit(int(self.plan.budget))
+        return True
+
+    def predicted_peak(self, p: Optional["placement.Placement"] = None, page_budget: Optional[int] = None) -> int:
         """The process's peak as the plan predicts it for placement `p` (the
         current one): everything fixed, the activations, and the pages
-        (the pager fills its budget with pages it may need again, up to all
-        of them)."""
+        (the pager fills its budget, `page_budget` or the current one, with
+        pages it may need again, up to all of them)."""
         p = p or self.placement
-        pages = max(p.pages, min(self.gov.page_budget, sum(self.shape.footprints)))
+        page_budget = self.gov.page_budget if page_budget is None else page_budget
+        pages = max(p.pages, min(page_budget, sum(self.shape.footprints)))
         return self.plan.fixed_without_activations - self.plan.margin + p.activations + pages
 
     def eval_group(self) -> int:

@@ -266,3 +266,36 @@ def test_last_rung_saves_the_adapters_and_names_what_would_fit(ladder_model, lad
     same(ref, mx.load(str(tmp_path / "stop" / "ad" / "adapters.safetensors")), exact=True)
     report = [json.loads(l) for l in (tmp_path / "stop" / "report.jsonl").read_text().splitlines()]
     assert [r["rung"] for r in report if r["type"] == "governor"][-1] == "stop"
+
+
+class Hog(PagerCallback):
+    """Holds `nbytes` of memory outside MLX (touched) from the start of
+    iteration `at` on, as a library's buffers would."""
+
+    def __init__(self, at, nbytes):
+        self.at, self.nbytes, self.session, self.held, self.pages = at, nbytes, None, None, {}
+
+    def on_session(self, session):
+        self.session = session
+
+    def on_step_begin(self, iteration, stats):
+        self.pages[iteration] = (self.session.gov.page_budget, self.session.plan.slack)
+        if iteration == self.at:
+            self.held = bytearray(b"\x01" * self.nbytes)
+
+
+def test_memory_the_plan_did_not_count_joins_its_slack(ladder_model, ladder_data, tmp_path):
+    """A step whose peak RSS held more than the plan predicted (here 64 MB
+    outside MLX from iteration 2 on): the slack grows by what went over, the
+    pages give it room, and the next steps' predictions hold."""
+    hog = Hog(2, 64 << 20)
+    res, _ = ladder_run(ladder_model, ladder_data, tmp_path, iters=4, cb=hog)
+    steps = res.steps
+    over = steps[1]["step_peak_rss_bytes"] - steps[1]["predicted_peak_bytes"]
+    assert over > 16 << 20  # the hog was not planned
+    (pages2, slack2), (pages3, slack3) = hog.pages[2], hog.pages[3]
+    grown = slack3 - slack2
+    assert grown >= over - (8 << 20)
+    assert pages3 <= pages2 - grown + (8 << 20)  # the pages made room
+    for s in steps[2:]:
+        assert s["step_peak_rss_bytes"] <= s["predicted_peak_bytes"], s
