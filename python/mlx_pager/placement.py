@@ -44,8 +44,8 @@ The predicted peak covers what the budget's pool holds during the step:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 # Relative cost of a step's parts, in forward passes of one block: a frozen
 # block's backward (input gradients through the frozen weights, the
@@ -81,6 +81,8 @@ class Sizes:
     forward_per_token: Optional[float] = None
     forward_len: int = 0
     head_chunk_bytes: int = 64 << 20
+    # tokens of the measure kept, per kind (learn)
+    _tokens: Dict[str, int] = field(default_factory=dict, repr=False)
 
     def _scale(self, per_token: float, at_len: int, rows: int, length: int) -> int:
         return int(per_token * rows * length * max(1.0, length / max(1, at_len)))
@@ -122,20 +124,35 @@ class Sizes:
         return rows * length * self.hidden * self.itemsize
 
     def learn(self, probe: dict) -> None:
-        """Takes in what a step measured (step.paged_value_and_grad's probe)."""
+        """Takes in what a step measured (step.paged_value_and_grad's probe).
+        A measure over fewer tokens than the one kept does not replace it
+        (a short batch's per-token figure understates a long one's: fixed
+        costs, attention's square)."""
         if "block" in probe:
             nbytes, rows, length = probe["block"]
-            self.block_per_token = max(0, nbytes - self.block_fixed) / max(1, rows * length)
-            self.block_len = length
+            if self._longer("block", rows * length):
+                self.block_per_token = max(0, nbytes - self.block_fixed) / max(1, rows * length)
+                self.block_len = length
         if "forward" in probe:
             nbytes, rows, length = probe["forward"]
-            self.forward_per_token = nbytes / max(1, rows * length)
-            self.forward_len = length
+            if self._longer("forward", rows * length):
+                self.forward_per_token = nbytes / max(1, rows * length)
+                self.forward_len = length
         if "tail" in probe:
             nbytes, blocks, rows, length = probe["tail"]
-            self.tail_per_token = nbytes / max(1, rows * length)
-            self.tail_len = length
-            self.tail_blocks = blocks
+            if blocks != self.tail_blocks:
+                self._tokens.pop("tail", None)  # another tail: its measure replaces the old one
+            if self._longer("tail", rows * length):
+                self.tail_per_token = nbytes / max(1, rows * length)
+                self.tail_len = length
+                self.tail_blocks = blocks
+
+    def _longer(self, what: str, tokens: int) -> bool:
+        """Whether a measure of `what` over `tokens` tokens replaces the one kept."""
+        if tokens < self._tokens.get(what, 0):
+            return False
+        self._tokens[what] = tokens
+        return True
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ order it must happen:
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -113,6 +113,8 @@ class Session:
     ceiling: Optional[placement.Placement] = None  # set by the ladder (replan)
     spill: Optional[object] = None  # spill.SpillStore, once a placement spills
     live: Optional[dict] = None  # the running step's probe (step.paged_value_and_grad)
+    # Per step: what the plan's slack had to hold (learn_peak).
+    slack_needed: List[int] = field(default_factory=list)
     last_shapes: Optional[list] = None  # the micro-batch shapes of the last step (loop.py)
 
     def memory_now(self) -> dict:
@@ -259,23 +261,27 @@ class Session:
         """Takes in a step's measured peak RSS (the kernel's high-water
         mark), beside the peak the plan now predicts for the placement it ran
         with (`ran`, at `page_budget`), from the sizes the step measured.
-        What went over is memory no term of the plan sees: MLX's cache
-        holding buffers a graph freed beside those it allocates next (MLX's
-        peak counter sees only the latter), and the process's own memory
-        outside MLX (OpenBLAS's per-thread buffers appear with the first
-        matmul). The slack grows by it, so the pages make room for it and
-        later predictions hold (with --page-budget, the memory budget follows).
-        Returns True when it grew."""
+        What the slack had to hold is memory no other term of the plan sees:
+        MLX's cache holding buffers a graph freed beside those it allocates
+        next (MLX's peak counter sees only the latter), and the process's own
+        memory outside MLX (OpenBLAS's per-thread buffers appear with the
+        first matmul). The slack becomes the most any step needed, and 1%
+        more, never less than CACHE_SLACK; the first step counts only until
+        a second has run (it also holds one-off costs: compiling, start-up
+        probes). The pages make room (with --page-budget, the memory budget
+        follows). Returns True when the slack changed."""
         again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled)
-        over = measured - self.predicted_peak(again, page_budget)
-        if over <= 0:
-            return False
-        # and 1% more: peaks of steps of one shape differ by about that
-        over += max(_PEAK_JITTER_MIN, measured // 100)
-        self.plan.slack += over
+        self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
+        needed = max(self.slack_needed[1:] or self.slack_needed)
+        # 1% more: peaks of steps of one shape differ by about that
+        slack = max(CACHE_SLACK, needed + max(_PEAK_JITTER_MIN, measured // 100))
+        change = slack - self.plan.slack
+        if change == 0 or (change < 0 and len(self.slack_needed) > 2):
+            return False  # it shrinks once, when the first step stops counting
+        self.plan.slack = slack
         if self.page_cap is not None:
             # --page-budget: the memory budget follows the pages (open()).
-            self.plan.budget += over
+            self.plan.budget += change
             mx.set_memory_limit(int(self.plan.budget))
         return True
 

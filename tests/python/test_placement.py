@@ -62,6 +62,17 @@ def test_a_measured_tail_scales_with_its_blocks_and_tokens():
     assert sz.tail(4, 2, 256) == 160 * MB
 
 
+def test_a_measure_over_fewer_tokens_does_not_replace_a_longer_one():
+    sz = sizes()
+    sz.learn({"tail": (40 * MB, 4, 2, 128), "forward": (4 * MB, 2, 128)})
+    sz.learn({"tail": (10 * MB, 4, 1, 64), "forward": (1 * MB, 1, 64)})  # a short batch
+    assert sz.tail(4, 2, 128) == 40 * MB and sz.forward(2, 128) == 4 * MB
+    sz.learn({"tail": (44 * MB, 4, 2, 128)})  # as long: the latest counts
+    assert sz.tail(4, 2, 128) == 44 * MB
+    sz.learn({"tail": (8 * MB, 2, 1, 64)})  # another tail: replaces it whatever its length
+    assert sz.tail_blocks == 2 and sz.tail(2, 1, 64) == 8 * MB
+
+
 def test_a_measured_block_replaces_the_formula():
     sz = sizes(block_fixed=1 * MB)
     before = sz.block(2, 128)
