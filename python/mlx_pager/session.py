@@ -225,6 +225,7 @@ class Session:
         False when nothing fits."""
         if probe:
             self.sizes.learn(probe)
+            self.follow_pages()
         p = placement.choose(
             self.shape,
             self.sizes,
@@ -265,25 +266,36 @@ class Session:
         MLX's cache holding buffers a graph freed beside those it allocates
         next (MLX's peak counter sees only the latter), and the process's own
         memory outside MLX (OpenBLAS's per-thread buffers appear with the
-        first matmul). The slack becomes the most any step needed, and 1%
-        more, never less than CACHE_SLACK; the first step counts only until
+        first matmul). The slack becomes the most any step needed (never
+        less than CACHE_SLACK), and 1% more; the first step counts only until
         a second has run (it also holds one-off costs: compiling, start-up
         probes). The pages make room (with --page-budget, the memory budget
-        follows). Returns True when the slack changed."""
+        follows: follow_pages). Returns True when the slack changed."""
         again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled)
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
         needed = max(self.slack_needed[1:] or self.slack_needed)
         # 1% more: peaks of steps of one shape differ by about that
-        slack = max(CACHE_SLACK, needed + max(_PEAK_JITTER_MIN, measured // 100))
+        slack = max(CACHE_SLACK, needed) + max(_PEAK_JITTER_MIN, measured // 100)
         change = slack - self.plan.slack
         if change == 0 or (change < 0 and len(self.slack_needed) > 2):
             return False  # it shrinks once, when the first step stops counting
         self.plan.slack = slack
-        if self.page_cap is not None:
-            # --page-budget: the memory budget follows the pages (open()).
-            self.plan.budget += change
-            mx.set_memory_limit(int(self.plan.budget))
+        self.follow_pages()
         return True
+
+    def follow_pages(self) -> None:
+        """With --page-budget, the memory budget follows the pages (open()):
+        the fixed part, the activations of the placement with no block
+        recomputed, from the sizes measured so far, and the pages. It only
+        grows: a measured size or slack larger than the start-up's would
+        otherwise take room from the pages or split the batch."""
+        if self.page_cap is None:
+            return
+        acts = placement.evaluate(self.shape, self.sizes, self.shape.first_trained, 1).activations
+        budget = self.plan.fixed_without_activations + acts + self.page_cap
+        if budget > self.plan.budget:
+            self.plan.budget = budget
+            mx.set_memory_limit(int(budget))
 
     def predicted_peak(self, p: Optional["placement.Placement"] = None, page_budget: Optional[int] = None) -> int:
         """The process's peak as the plan predicts it for placement `p` (the
