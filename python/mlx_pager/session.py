@@ -266,8 +266,8 @@ class Session:
         MLX's cache holding buffers a graph freed beside those it allocates
         next (MLX's peak counter sees only the latter), and the process's own
         memory outside MLX that grows after the baseline is taken (~20 MB on
-        the bench's shapes; BLAS buffers, compiled graphs). The slack becomes the most any step needed (never
-        less than CACHE_SLACK), and 2% more; the first step counts only until
+        the bench's shapes). The slack becomes the most any step needed
+        (never less than CACHE_SLACK), and 2% more; the first step counts only until
         a second has run (it also holds one-off costs: compiling, start-up
         probes). The pages make room (with --page-budget, the memory budget
         follows: follow_pages). Returns True when the slack changed."""

@@ -615,17 +615,13 @@ def paged_value_and_grad(
             out = []
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
-                if base is not None:
-                    resident = weights.pager.stats()["resident_bytes"]
-                    kept = weights.pager.kept_frame_bytes()
+                pages = _page_bytes(weights) if base is not None else None
                 out.append(blocks.forward(i, h, mb.calls[i], keys[i][m]))
                 mx.eval(out[-1])
                 if base is not None:
                     # One forward block's working set, less the pages read
                     # ahead meanwhile (the largest of the sweep's blocks).
-                    read = max(0, weights.pager.stats()["resident_bytes"] - resident)
-                    read += max(0, weights.pager.kept_frame_bytes() - kept)
-                    used = max(0, _measure_end(probe, base) - read)
+                    used = max(0, _measure_end(probe, base) - _pages_read(weights, pages))
                     if used >= probe.get("forward", (0,))[0]:
                         probe["forward"] = (used, mb.rows, int(h.shape[1]))
             hs = out
@@ -646,9 +642,7 @@ def paged_value_and_grad(
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
-                if base is not None:
-                    resident = weights.pager.stats()["resident_bytes"]
-                    kept = weights.pager.kept_frame_bytes()
+                pages = _page_bytes(weights) if base is not None else None
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
                     s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed
                 )
@@ -659,9 +653,7 @@ def paged_value_and_grad(
                     # The pages the tail read and kept are pages, not its
                     # working set (the plan counts them apart); so is the
                     # frame the pager keeps for its next read.
-                    read = max(0, weights.pager.stats()["resident_bytes"] - resident)
-                    read += max(0, weights.pager.kept_frame_bytes() - kept)
-                    used = max(0, _measure_end(probe, base) - read)
+                    used = max(0, _measure_end(probe, base) - _pages_read(weights, pages))
                     probe["tail"] = (used, L - s_tail, mb.rows, int(h.shape[1]))
                 losses.append(loss)
                 ntoks.append(mb.ntoks)
@@ -725,6 +717,17 @@ def _checkpoints(kept: Optional[List[mx.array]], spill, block: int, n: int):
         got.clear()  # the caller's name for the list too: the arrays go before their pages
         for m in range(held):
             spill.release(block, m)
+
+
+def _page_bytes(weights) -> tuple:
+    """The pager's resident bytes and its kept frame's, now."""
+    return weights.pager.stats()["resident_bytes"], weights.pager.kept_frame_bytes()
+
+
+def _pages_read(weights, before: tuple) -> int:
+    """Bytes of pages (and kept frame) gained since `before` (_page_bytes):
+    pages, not a working set, when a peak is measured."""
+    return sum(max(0, now - then) for now, then in zip(_page_bytes(weights), before))
 
 
 def _measure_start(probe: Optional[dict]) -> Optional[int]:
