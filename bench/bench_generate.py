@@ -120,7 +120,7 @@ def main():
     from mlx_pager.generate import load_paged
 
     probe, _ = load_paged(str(model), ssd_cache_dir=str(out / "cache"), page_budget=1 << 40)
-    pages = [probe.weights.page_bytes(i) + 4096 for i in range(probe.weights.num_blocks)]
+    pages = [probe.weights.block_footprint(i) for i in range(probe.weights.num_blocks)]
     paged_bytes = probe.weights.paged_bytes
     del probe
     base = dict(model=str(model), cache=str(out / "cache"), tokens=a.tokens)

@@ -323,6 +323,8 @@ def worker_pager(cfg):
         "page_budget": p.page_budget if cfg["page_budget"] is None else min(cfg["page_budget"], p.page_budget),
         "page_footprint": p.max_page,
         "page_footprints": res.page_footprints,
+        "block_pages": [list(p) for p in res.block_pages],
+        "tail_back_pages": [list(p) for p in res.tail_back_pages],
         "report": str(report),
         "governor": res.governor_events,
         "settings": [cfg["readahead"], cfg.get("readahead_mode", "conservative"), cfg["policy"]],
@@ -367,11 +369,14 @@ def measured_accesses(r):
     same schedule (a step's first one differs: it measures the tail)."""
     from mlx_pager import simulate
 
-    pages = list(range(len(r["page_footprints"])))
     per_step = []
     for st in r["marks"][1:] or r["marks"]:
         marks = [simulate.BlockMark(*m) for m in st["marks"]]
-        per_step.append(simulate.accesses_from_marks(marks, tuple(st["start"]), tuple(st["end"]), pages))
+        per_step.append(
+            simulate.accesses_from_marks(
+                marks, tuple(st["start"]), tuple(st["end"]), r["block_pages"], r["tail_back_pages"]
+            )
+        )
     if not per_step:
         return []
     ref = [a.pages for a in per_step[-1]]

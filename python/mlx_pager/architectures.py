@@ -599,9 +599,18 @@ def reference(path, num_layers: int, dora: bool = False, lora=LORA) -> nn.Module
     return model
 
 
-def paged(path, num_layers: int, store: str = "in_place", cache_dir=None, dora: bool = False, lora=LORA):
-    """The same model with its frozen weights paged (PagedWeights), the same
-    adapters. Returns (model, weights)."""
+def paged(
+    path,
+    num_layers: int,
+    store: str = "in_place",
+    cache_dir=None,
+    dora: bool = False,
+    lora=LORA,
+    page_parts: Optional[int] = None,
+):
+    """The same model with its frozen weights paged (PagedWeights, each
+    block in at most `page_parts` pages), the same adapters. Returns
+    (model, weights)."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
 
@@ -610,7 +619,7 @@ def paged(path, num_layers: int, store: str = "in_place", cache_dir=None, dora: 
 
     model, _ = load_model(Path(path), lazy=True)
     model.freeze()
-    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=cache_dir, store=store)
+    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=cache_dir, store=store, page_parts=page_parts)
     w.pin_resident()
     mx.random.seed(0)
     linear_to_lora_layers(model, num_layers, lora, use_dora=dora)

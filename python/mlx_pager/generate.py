@@ -312,7 +312,7 @@ class PagedModel:
     # ------------------------------------------------------------ reports --
     def min_bytes_per_token(self) -> int:
         """Belady's minimum of bytes read per decode step for the page budget."""
-        fps = [self.weights.page_bytes(i) + _io_align() for i in range(self.weights.num_blocks)]
+        fps = [self.weights.page_footprint(p) for p in self.weights.page_order]
         return min_reads_per_sweep(fps, self.plan.page_budget)
 
     def summary(self, read_rate: Optional[float] = None, skip: int = 1) -> dict:
@@ -375,8 +375,7 @@ def measure_read_rate(weights: PagedWeights, max_bytes: int = 256 << 20) -> floa
     old = pager.set_readahead(0)
     done, secs = 0, 0.0
     try:
-        for i in range(weights.num_blocks):
-            pid = weights.page_ids[i]
+        for pid in weights.page_order:
             b0 = pager.stats()["bytes_read"]
             t = time.perf_counter()
             arrays = pager.acquire(pid)
@@ -469,7 +468,7 @@ def load_paged(
         ),
         mx.float32,
     )
-    max_page = weights.max_page_bytes + _io_align()
+    max_page = weights.max_block_footprint
     plan = MemoryPlan(
         budget=budget,
         baseline=process_rss(),
@@ -483,5 +482,5 @@ def load_paged(
     paged = PagedModel(model, weights, plan, config, act.size, prefill_step_size, max_kv_tokens, page_budget)
     paged.read_rate = measure_read_rate(weights) if measure_read else None
     weights.pin_resident()
-    weights.pager.set_schedule([weights.page_ids[i] for i in range(L)], True)
+    weights.pager.set_schedule(weights.page_order, True)
     return paged, tokenizer

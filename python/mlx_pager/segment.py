@@ -116,9 +116,8 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
     (streamed, stream.py) on a micro-batch of `rows` x `length` tokens, over
     the memory active before it: the no-recompute placement's working set,
     measured before the first step, less the pages it read and kept (the
-    plan counts pages apart). The pager's budget is two pages (beyond what
+    plan counts pages apart). The pager's budget is two blocks' pages (beyond what
     it holds now) for the duration: what a tight budget would stream."""
-    from ._core import IO_ALIGN
     from .stream import Stream
 
     L = len(model.layers)
@@ -129,7 +128,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
     h = mb.h0
     mx.eval(h)
     pager = weights.pager
-    window = sum(sorted((weights.page_bytes(i) + IO_ALIGN for i in range(start, L)), reverse=True)[:2])
+    window = sum(sorted((weights.block_footprint(i) for i in range(start, L)), reverse=True)[:2])
     old = pager.set_budget(pager.stats()["resident_bytes"] + window)
     try:
         with Stream(weights, range(start, L)).bound() as st:

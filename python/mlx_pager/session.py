@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -100,7 +100,12 @@ class Session:
     gov: Governor
     blocks: step.Blocks
     first_trained: int
+    # The pages as the simulator sees them (simulate.py): page n is
+    # weights.page_order[n], charged page_footprints[n]; block i's pages in
+    # use order, and those a streamed tail reads again for its backward.
     page_footprints: List[int]
+    block_pages: List[Tuple[int, ...]]
+    tail_back_pages: List[Tuple[int, ...]]
     seq_len: int  # the longest padded batch the data can make
     # How the step spends its activation memory (placement.py): blocks
     # tail_start..L-1 run as one no-recompute segment (L: none), each batch
@@ -137,16 +142,15 @@ class Session:
         down to the first trained block, or to the tail's start), with each
         spilled block's checkpoint pages after its own page in the backward
         sweep (the order step.py acquires them in)."""
-        L = len(self.model.layers)
         slots = self.shape.micro_batches(self.parts)
-        order = step.step_schedule(L, self.first_trained, self.tail_start, slots)
         spilled = range(self.first_trained, self.first_trained + (self.placement.spilled if self.placement else 0))
-        sweep = len(order) - (max(self.first_trained, min(L, self.tail_start)) - self.first_trained)
-        ids = []
-        for n, i in enumerate(order):
-            ids.append(self.weights.page_ids[i])
-            if n >= sweep and i in spilled and self.spill is not None:  # the backward sweep
-                ids.extend(self.spill.page_ids(i, slots))
+        ids = step.step_pages(
+            self.weights,
+            self.first_trained,
+            self.tail_start,
+            slots,
+            lambda i: self.spill.page_ids(i, slots) if i in spilled and self.spill is not None else [],
+        )
         self.weights.pager.set_schedule(ids)
 
     def spill_store(self, p: "placement.Placement"):
@@ -321,7 +325,17 @@ class Session:
 
     def use_forward_schedule(self):
         """The pager's access order: forward sweeps only (evaluation)."""
-        self.weights.pager.set_schedule(list(self.weights.page_ids))
+        self.weights.pager.set_schedule(self.weights.page_order)
+
+
+def simulated_pages(weights: PagedWeights) -> dict:
+    """Session's page_footprints, block_pages and tail_back_pages."""
+    index = {pid: n for n, pid in enumerate(weights.page_order)}
+    return dict(
+        page_footprints=[weights.page_footprint(p) for p in weights.page_order],
+        block_pages=[tuple(index[p] for p in pages) for pages in weights.block_pages],
+        tail_back_pages=[tuple(index[p] for p in stream.backward_pages(weights, i)) for i in range(weights.num_blocks)],
+    )
 
 
 def estimate_sizes(
@@ -448,7 +462,7 @@ def open_session(
     except BudgetError as e:
         budget_error = e
     seq_len = longest_batch(args.max_seq_length, datasets)
-    max_page = weights.max_page_bytes + IO_ALIGN
+    max_page = weights.max_block_footprint
     slack = plan_slack()
     L = len(model.layers)
     # Forward-only evaluation keeps no checkpoints: plan it as a step with
@@ -456,7 +470,7 @@ def open_session(
     shape = placement.Step(
         num_blocks=L,
         first_trained=first if training else L,
-        footprints=[weights.page_bytes(i) + IO_ALIGN for i in range(weights.num_blocks)],
+        footprints=[weights.block_footprint(i) for i in range(weights.num_blocks)],
         held=[stream.held_bytes(weights, i) for i in range(weights.num_blocks)],
         rows=args.batch_size,
         length=seq_len,
@@ -524,7 +538,7 @@ def open_session(
         gov=gov,
         blocks=step.Blocks(model),
         first_trained=first,
-        page_footprints=shape.footprints,
+        **simulated_pages(weights),
         seq_len=seq_len,
         sizes=sizes,
         shape=shape,

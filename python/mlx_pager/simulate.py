@@ -621,18 +621,32 @@ class BlockMark:
 
 
 def accesses_from_marks(
-    marks: Sequence[BlockMark], start: Tuple[float, float], end: Tuple[float, float], page_of: Sequence[int]
+    marks: Sequence[BlockMark],
+    start: Tuple[float, float],
+    end: Tuple[float, float],
+    block_pages: Sequence[Sequence[int]],
+    tail_back_pages: Optional[Sequence[Sequence[int]]] = None,
 ) -> List[Access]:
     """The accesses of one measured step, with their compute: each block's
     time since the previous mark less the pager's waits in between. `start`
     and `end`: (t, wait_s) at the step's start and end (after the optimizer
-    update); `page_of[i]`: block i's page id.
+    update); `block_pages[i]`: block i's pages (a bare page id: its one
+    page), in use order; `tail_back_pages[i]`: those a streamed tail reads
+    again for block i's backward, in that order (default: block i's pages
+    in reverse).
 
-    What a mark cannot tell apart is split by rule: the time after the last
-    block (the optimizer update) and before the first (embedding) is the
-    first access's gap; the first backward block after a forward sweep
-    without a tail also carries the head, so its hold is the median of the
-    other backward blocks and the rest is its gap."""
+    A block bound whole (the backward sweep, a one-page block) is one access
+    of its pages; a block whose pages are lazy reads (a forward block of
+    several pages, the tail) is one access per page, the block's compute
+    shared among them. What a mark cannot tell apart is split by rule: the
+    time after the last block (the optimizer update) and before the first
+    (embedding) is the first access's gap; the first backward block after a
+    forward sweep without a tail also carries the head, so its hold is the
+    median of the other backward blocks and the rest is its gap."""
+    pages_of = [tuple(p) if isinstance(p, (tuple, list)) else (p,) for p in block_pages]
+    back_of = (
+        [tuple(p) for p in tail_back_pages] if tail_back_pages is not None else [tuple(reversed(p)) for p in pages_of]
+    )
     marks = [m for m in marks if m.phase in ("forward", "tail", "backward")]
     groups: List[List[BlockMark]] = []
     for m in marks:
@@ -641,26 +655,38 @@ def accesses_from_marks(
         else:
             groups.append([m])
     out: List[Access] = []
+    phases: List[str] = []
+
+    def each_page(pages, hold, phase):
+        out.extend(Access(pages=(p,), hold_s=hold / len(pages)) for p in pages)
+        phases.extend([phase] * len(pages))
+
     t_prev, w_prev = start
-    busy = []
     for g in groups:
         last = g[-1]
-        busy.append(max(0.0, (last.t - t_prev) - (last.wait_s - w_prev)))
+        busy = max(0.0, (last.t - t_prev) - (last.wait_s - w_prev))
         t_prev, w_prev = last.t, last.wait_s
         if g[0].phase == "tail":
             # The tail streams its pages (stream.py): each block read for its
             # forward, then again, in reverse, for its backward (about twice
             # the forward's compute). One graph: the marks give its total only.
             blocks = sorted(m.block for m in g)
-            share = busy[-1] / (3 * len(blocks))
-            out.extend(Access(pages=(page_of[b],), hold_s=share) for b in blocks)
-            out.extend(Access(pages=(page_of[b],), hold_s=2 * share) for b in reversed(blocks))
+            share = busy / (3 * len(blocks))
+            for b in blocks:
+                each_page(pages_of[b], share, "tail")
+            for b in reversed(blocks):
+                if back_of[b]:
+                    each_page(back_of[b], 2 * share, "tail")
             continue
-        out.append(Access(pages=(page_of[g[0].block],), hold_s=busy[-1]))
+        pages = pages_of[g[0].block]
+        if g[0].phase == "forward" and len(pages) > 1:
+            each_page(pages, busy, "forward")  # read lazily (step.py)
+        else:
+            out.append(Access(pages=pages, hold_s=busy))
+            phases.append(g[0].phase)
     if not out:
         return out
     after = max(0.0, (end[0] - t_prev) - (end[1] - w_prev))
-    phases = [ph for g in groups for ph in ([g[0].phase] * (2 * len(g) if g[0].phase == "tail" else 1))]
 
     holds = [a.hold_s for a in out]
 
@@ -778,7 +804,7 @@ class AutoReadahead:
             return
         pager = s.weights.pager
         end = (time.perf_counter(), self._waited(pager.stats()))
-        acc = accesses_from_marks(self._marks, start, end, range(len(s.page_footprints)))
+        acc = accesses_from_marks(self._marks, start, end, s.block_pages, s.tail_back_pages)
         budget = int(s.gov.page_budget)
         key = (budget, tuple(a.pages for a in acc))
         if key == self._key:

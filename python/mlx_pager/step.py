@@ -41,7 +41,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .layers import BlockList, NotPageable, architecture
-from .stream import Stream
+from .stream import Stream, forward_pages
 
 
 def _hidden_param(layer) -> Optional[str]:
@@ -537,6 +537,26 @@ def step_schedule(
     return list(range(s)) + tail + list(range(s - 1, first_trained - 1, -1))
 
 
+def step_pages(weights, first_trained: int, tail_start: Optional[int], micro_batches: int = 1, after=None) -> List[int]:
+    """The page ids of one training step in the order it acquires them
+    (step_schedule's blocks, each block's pages in order; a streamed tail's
+    backward reads stream.backward_pages). `after(i)`: pages acquired
+    right after block i's in the backward sweep (its spilled checkpoints)."""
+    from .stream import backward_pages
+
+    L = weights.num_blocks
+    s = L if tail_start is None else max(first_trained, min(L, tail_start))
+    pages = weights.block_pages
+    ids = [p for i in range(s) for p in pages[i]]
+    for _ in range(micro_batches if s < L else 0):
+        ids += [p for i in range(s, L) for p in pages[i]]
+        ids += [p for i in range(L - 1, s - 1, -1) for p in backward_pages(weights, i)]
+    for i in range(s - 1, first_trained - 1, -1):
+        ids += pages[i]
+        ids += list(after(i)) if after is not None else []
+    return ids
+
+
 def _dropout_keys(model: nn.Module, num_blocks: int, num_micro: int):
     """keys[i][m] for block i, micro-batch m; all None without active dropout."""
     active = any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1 for _, m in model.named_modules())
@@ -600,7 +620,12 @@ def paged_value_and_grad(
     to_ssd = set(range(first, min(s_tail, first + spilled))) if spill is not None else set()
     held = 0  # bytes of checkpoints in memory (probe["checkpoint_bytes"], for memory traces)
     for i in range(s_tail):
-        with weights.bound(i):
+        # A block of several pages, one micro-batch: its pages are lazy reads
+        # in the block's graph (stream.forward_pages), so the later ones are
+        # read while MLX computes with the first. Otherwise the block is
+        # bound (read) whole before its graph runs.
+        lazy = len(weights.block_pages[i]) > 1 and len(micro_batches) == 1
+        with forward_pages(weights, i, hs[0]) if lazy else _bound(weights, i) as drop:
             if i in to_ssd:
                 for m, h in enumerate(hs):
                     spill.put(i, m, h)
@@ -617,11 +642,17 @@ def paged_value_and_grad(
                 base = _measure_start(probe) if m == 0 else None
                 pages = _page_bytes(weights) if base is not None else None
                 out.append(blocks.forward(i, h, mb.calls[i], keys[i][m]))
+                drop()
                 mx.eval(out[-1])
                 if base is not None:
                     # One forward block's working set, less the pages read
-                    # ahead meanwhile (the largest of the sweep's blocks).
-                    used = max(0, _measure_end(probe, base) - _pages_read(weights, pages))
+                    # ahead meanwhile (the largest of the sweep's blocks);
+                    # read lazily, the block's own pages are read inside it,
+                    # the one in use at least in memory at its peak.
+                    read = _pages_read(weights, pages)
+                    if lazy:
+                        read = max(read, max(weights.page_footprint(p) for p in weights.block_pages[i]))
+                    used = max(0, _measure_end(probe, base) - read)
                     if used >= probe.get("forward", (0,))[0]:
                         probe["forward"] = (used, mb.rows, int(h.shape[1]))
             hs = out
@@ -697,6 +728,14 @@ def paged_value_and_grad(
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
     return losses, ntoks, grads
+
+
+@contextmanager
+def _bound(weights, block: int):
+    """weights.bound(block), yielding a `drop` that does nothing (the block's
+    arrays stay in the model until the block is unbound)."""
+    with weights.bound(block):
+        yield lambda: None
 
 
 @contextmanager

@@ -3,8 +3,11 @@
 ``PagedWeights`` takes an mlx-lm model loaded lazily (its weights are still
 unread ``Load`` arrays) and hands its frozen weights to the C++ pager:
 
-- one page per transformer block (``model.layers[i]``): the block's frozen
-  tensors, read and evicted together;
+- the pages of each transformer block (``model.layers[i]``): the block's
+  frozen tensors, read and evicted together, in one page or, for a large
+  block, in a few pages of about ``PAGE_PART_BYTES`` each (``split_block``):
+  a budget of one block then holds several pages, and the step reads one
+  part of a block while it computes with another;
 - one pinned page, ``resident``: every frozen tensor outside the blocks
   (embeddings, final norm, LM head), read once and locked in memory.
 
@@ -36,6 +39,11 @@ from ._core import Pager, SwapWriter, combine_digests, rewrite_swap_page, swap_p
 from .layers import BlockList, NotPageable, architecture
 
 RESIDENT_PAGE = "resident"
+# A block's frozen tensors are paged in parts of about this many bytes (at
+# most MAX_PAGE_PARTS): large enough for the SSD to stream (several I/O
+# chunks, page_io.h), small enough that one block's budget holds several.
+PAGE_PART_BYTES = 48 << 20
+MAX_PAGE_PARTS = 8
 
 
 @dataclass
@@ -72,6 +80,41 @@ def _block_prefixes(model: nn.Module) -> List[str]:
     if nested:
         raise NotPageable(f"{arch}: block {nested[0]} lies inside another block")
     return prefixes
+
+
+def block_page_name(block: int, part: int, parts: int) -> str:
+    """The pager's name for part `part` of block `block`'s `parts` pages."""
+    return f"layers.{block}" if parts == 1 else f"layers.{block}:{part}"
+
+
+def split_block(names: List[str], params: Dict[str, mx.array], parts: Optional[int] = None) -> List[List[str]]:
+    """A block's frozen tensors (`names`, in the order the model builds its
+    submodules: for mlx-lm's blocks, the order their forward uses them) as
+    at most `parts` pages of consecutive modules of about equal bytes (None:
+    one per PAGE_PART_BYTES, at most MAX_PAGE_PARTS). A module's tensors stay
+    in one page (a streamed layer reads its weight, scales and biases
+    together, stream.py); modules of 1-D tensors only (norms) go in the
+    first page: small, and often used first."""
+    units: Dict[str, List[str]] = {}
+    for n in names:
+        units.setdefault(n.rsplit(".", 1)[0] if "." in n else "", []).append(n)
+    first = [n for u in units.values() if all(params[n].ndim < 2 for n in u) for n in u]
+    rest = [u for u in units.values() if not all(params[n].ndim < 2 for n in u)]
+    total = sum(params[n].nbytes for n in names)
+    if parts is None:
+        parts = min(MAX_PAGE_PARTS, max(1, round(total / PAGE_PART_BYTES)))
+    parts = max(1, min(parts, len(rest)))
+    out: List[List[str]] = [list(first)]
+    done = sum(params[n].nbytes for n in first)
+    for u in rest:
+        # A new page where this module would end past the current page's
+        # share of the total (never more than `parts` pages).
+        b = sum(params[n].nbytes for n in u)
+        if out[-1] and len(out) < parts and done + b / 2 > total * len(out) / parts:
+            out.append([])
+        out[-1].extend(u)
+        done += b
+    return [g for g in out if g]
 
 
 def _transformed_by_sanitize(model: nn.Module, model_path: Path) -> set:
@@ -128,6 +171,8 @@ class PagedWeights:
         reload: returns the model freshly loaded with ``lazy=True``, to
             rebuild a swap page whose bytes fail their checksum (default:
             mlx_lm's load_model of model_path).
+        page_parts: pages per block, at most (split_block; None: by size,
+            one per PAGE_PART_BYTES; 1: one page per block).
 
     With an ssd_cache_dir every page read is verified against a checksum
     (swapcache.py keeps them): a swap page that fails it twice is rebuilt
@@ -146,6 +191,7 @@ class PagedWeights:
         progress=None,
         cache_max_bytes: Optional[int] = None,
         reload=None,
+        page_parts: Optional[int] = None,
     ):
         if store not in ("auto", "in_place", "swap"):
             raise ValueError(f"store must be 'auto', 'in_place' or 'swap', not '{store}'")
@@ -153,7 +199,8 @@ class PagedWeights:
         self.model_path = Path(model_path)
         self.pager = Pager(budget_bytes, **(pager_options or {}))
         self.slots: List[List[_Slot]] = []  # by page id
-        self.page_ids: List[int] = []  # page id of block i
+        self.block_pages: List[Tuple[int, ...]] = []  # block i's page ids, in use order
+        self.block_page_names: List[List[str]] = []
         self.store_kind: List[str] = []  # by page id: "in_place" or "swap"
 
         modules = dict(model.named_modules())
@@ -163,9 +210,11 @@ class PagedWeights:
         groups: List[Tuple[str, List[str]]] = []
         claimed = set()
         for i, prefix in enumerate(prefixes):
-            names = sorted(n for n in params if n.startswith(prefix + ".") and n not in trainable)
+            names = [n for n in params if n.startswith(prefix + ".") and n not in trainable]
             claimed.update(names)
-            groups.append((f"layers.{i}", names))
+            parts = split_block(names, params, page_parts) if names else [names]
+            groups.extend((block_page_name(i, j, len(parts)), part) for j, part in enumerate(parts))
+            self.block_page_names.append([block_page_name(i, j, len(parts)) for j in range(len(parts))])
         rest = sorted(n for n in params if n not in claimed and n not in trainable)
         groups.append((RESIDENT_PAGE, rest))
 
@@ -205,7 +254,7 @@ class PagedWeights:
         if to_swap:
             self._add_swap_pages(to_swap, params, ssd_cache_dir, progress)
         self.block_prefixes = prefixes
-        self.page_ids = [self.pager.lookup(f"layers.{i}") for i in range(len(prefixes))]
+        self.block_pages = [tuple(self.pager.lookup(n) for n in names) for names in self.block_page_names]
         self.resident_id = self.pager.lookup(RESIDENT_PAGE)
 
         # Drop the model's own (lazy, unread) arrays: from here on only the
@@ -303,7 +352,7 @@ class PagedWeights:
     # -------------------------------------------------------------- binding --
     @property
     def num_blocks(self) -> int:
-        return len(self.page_ids)
+        return len(self.block_pages)
 
     @contextmanager
     def bound(self, *blocks: int):
@@ -320,12 +369,15 @@ class PagedWeights:
                 self.unbind(b)
 
     def bind(self, block: int) -> None:
-        """Pages block `block` in and puts its arrays into the model."""
-        self._bind_page(self.page_ids[block])
+        """Pages block `block` in (its pages in order) and puts its arrays
+        into the model."""
+        for pid in self.block_pages[block]:
+            self._bind_page(pid)
 
     def unbind(self, block: int) -> None:
-        """Takes block `block`'s arrays out of the model and releases its page."""
-        self._unbind_page(self.page_ids[block])
+        """Takes block `block`'s arrays out of the model and releases its pages."""
+        for pid in reversed(self.block_pages[block]):
+            self._unbind_page(pid)
 
     def _bind_page(self, pid: int) -> None:
         n = self._bound.get(pid, 0)
@@ -358,7 +410,23 @@ class PagedWeights:
 
     # ------------------------------------------------------------ accounting --
     def page_bytes(self, block: int) -> int:
-        return self.pager.page_bytes(self.page_ids[block])
+        """Bytes of block `block`'s frozen tensors (its pages' frames)."""
+        return sum(self.pager.page_bytes(p) for p in self.block_pages[block])
+
+    def block_footprint(self, block: int) -> int:
+        """What block `block`'s pages are charged together when resident
+        (each frame with its alignment, MlxFrameAllocator::footprint)."""
+        return sum(self.page_footprint(p) for p in self.block_pages[block])
+
+    def page_footprint(self, pid: int) -> int:
+        from ._core import IO_ALIGN
+
+        return self.pager.page_bytes(pid) + int(IO_ALIGN)
+
+    @property
+    def page_order(self) -> List[int]:
+        """Every block page's id, block by block, each block's in use order."""
+        return [p for pages in self.block_pages for p in pages]
 
     @property
     def resident_bytes(self) -> int:
@@ -370,4 +438,9 @@ class PagedWeights:
 
     @property
     def max_page_bytes(self) -> int:
+        """The largest block's bytes (a block is bound whole: all its pages)."""
         return max(self.page_bytes(i) for i in range(self.num_blocks))
+
+    @property
+    def max_block_footprint(self) -> int:
+        return max(self.block_footprint(i) for i in range(self.num_blocks))

@@ -12,14 +12,15 @@ Here the tail's frozen weights are lazy page reads (Pager.lazy_page,
 csrc/mlx/paged_tensor.h) that MLX evaluates in graph order, after a given
 array:
 
-  forward   block i's page is read after block i's input; every tensor of
-            the page comes from that one read.
+  forward   block i's pages are read after block i's input, one after the
+            other (lazy_pages); every tensor of a page comes from one read.
   backward  each frozen linear layer (nn.Linear, nn.QuantizedLinear, called
             as a module, e.g. as LoRA's base layer) is a custom function
-            whose vjp takes the input gradient from a second read of the
+            whose vjp takes the input gradient from a second read of its
             page, after the first cotangent that reaches the block (the
-            same operation MLX's own vjp does: cot @ W, or quantized_matmul
-            with transpose flipped, so the results are the same bits).
+            block's pages in reverse; the same operation MLX's own vjp
+            does: cot @ W, or quantized_matmul with transpose flipped, so
+            the results are the same bits).
 
 So the graph never holds a linear layer's weights from its forward to its
 backward: between the two, the pager may evict the page, and the budget,
@@ -33,7 +34,8 @@ their own (`held`): the graph keeps them, as it keeps activations, without
 keeping the page's frame.
 
 The pager's schedule sees each tail block twice per micro-batch: forward
-s..L-1, then backward L-1..s (session.use_step_schedule).
+s..L-1 (each block's pages in order), then backward L-1..s (the pages
+backward_pages names, in reverse): step.step_pages.
 """
 
 from __future__ import annotations
@@ -65,23 +67,69 @@ def _not_called_as_modules(block: nn.Module) -> set:
     return out
 
 
-def plan_block(weights, block: int) -> List[bool]:
-    """For each tensor of block `block`'s page (registration order): True
-    where a streamed tail re-reads it in the backward, False where it is
-    held as a copy from the forward."""
-    layer = weights.model.layers[block]
-    direct = _not_called_as_modules(layer)
-    return [
-        s.key in streamed_keys(s.module) and id(s.module) not in direct for s in weights.slots[weights.page_ids[block]]
-    ]
+def plan_page(weights, pid: int) -> List[bool]:
+    """For each tensor of page `pid` (registration order): True where a
+    streamed tail re-reads it in the backward, False where it is held as a
+    copy from the forward."""
+    block = next(i for i, pages in enumerate(weights.block_pages) if pid in pages)
+    direct = _not_called_as_modules(weights.model.layers[block])
+    return [s.key in streamed_keys(s.module) and id(s.module) not in direct for s in weights.slots[pid]]
+
+
+def backward_pages(weights, block: int) -> List[int]:
+    """The pages of block `block` a streamed tail reads again for its
+    backward, in the order it reads them (the reverse of the forward's):
+    those holding a streamed tensor."""
+    return [p for p in reversed(weights.block_pages[block]) if any(plan_page(weights, p))]
 
 
 def held_bytes(weights, block: int) -> int:
     """Bytes a streamed tail holds of block `block` from forward to backward."""
-    mask = plan_block(weights, block)
     return sum(
-        int(s.placeholder.nbytes) for s, streamed in zip(weights.slots[weights.page_ids[block]], mask) if not streamed
+        int(s.placeholder.nbytes)
+        for pid in weights.block_pages[block]
+        for s, streamed in zip(weights.slots[pid], plan_page(weights, pid))
+        if not streamed
     )
+
+
+def lazy_pages(weights, pids, after: mx.array, copy=None) -> Dict[int, List[mx.array]]:
+    """Pages `pids` as lazy page reads (Pager.lazy_page), read in the order
+    given whatever order MLX's graph reaches them in: the first after
+    `after`, each next one after the one before it (its first tensor), so
+    that the pager sees the reads in its schedule's order. `copy[pid]`: per
+    tensor, a buffer of its own (default: views of the frame)."""
+    out = {}
+    for pid in pids:
+        out[pid] = weights.pager.lazy_page(pid, after, (copy or {}).get(pid, []))
+        after = out[pid][0] if out[pid] else after
+    return out
+
+
+@contextmanager
+def forward_pages(weights, block: int, after: mx.array):
+    """Block `block` in the model for one forward, its pages as lazy reads
+    after `after` in use order (lazy_pages), so that the pager reads the
+    block's later pages while MLX computes with its first. Yields `drop`:
+    call it once the block's graph is built and before it is evaluated, so
+    that each page's frame goes as soon as the graph is done with it (a
+    view the model kept would keep every frame of the block until the end)."""
+    pids = weights.block_pages[block]
+    got = lazy_pages(weights, pids, mx.stop_gradient(after))
+
+    def drop():
+        for pid in pids:
+            for s in weights.slots[pid]:
+                s.module[s.key] = s.placeholder
+
+    try:
+        for pid in pids:
+            for s, a in zip(weights.slots[pid], got[pid]):
+                s.module[s.key] = a
+        got = None
+        yield drop
+    finally:
+        drop()
 
 
 class _StreamedLinear(nn.Linear):
@@ -100,13 +148,13 @@ _ACTIVE: Dict[int, "_Binding"] = {}
 
 
 class _Binding:
-    def __init__(self, stream: "Stream", block: int, index: Dict[str, int]):
-        self.stream, self.block, self.index = stream, block, index
+    def __init__(self, stream: "Stream", block: int, page: int, index: Dict[str, int]):
+        self.stream, self.block, self.page, self.index = stream, block, page, index
 
     def _backward(self, cot: mx.array, key: str) -> Optional[mx.array]:
         if key not in self.index:
             return None
-        return self.stream.backward_page(self.block, cot)[self.index[key]]
+        return self.stream.backward_page(self.block, self.page, cot)[self.index[key]]
 
     def linear(self, m: nn.Module, x: mx.array) -> mx.array:
         w, b = m["weight"], m.get("bias")
@@ -150,39 +198,44 @@ class _Binding:
 
 class Stream:
     """Blocks `blocks`' frozen weights as lazy page reads, for one tail
-    segment; `enter(i, x)` binds block i's forward read (after x), once
+    segment; `enter(i, x)` binds block i's forward reads (after x), once
     per block per vector-Jacobian product."""
 
     def __init__(self, weights, blocks):
         self.weights = weights
         self.blocks = list(blocks)
-        self.masks = {i: plan_block(weights, i) for i in self.blocks}
-        self._bwd: Dict[int, List[mx.array]] = {}
+        # Planned before bound() swaps the layers' classes (streamed_keys
+        # goes by class).
+        self.masks = {p: plan_page(weights, p) for i in self.blocks for p in weights.block_pages[i]}
+        self.back = {i: backward_pages(weights, i) for i in self.blocks}
+        self._bwd: Dict[int, Dict[int, List[mx.array]]] = {}
         self._bindings: Dict[int, _Binding] = {}
 
     def enter(self, block: int, x: mx.array) -> None:
-        pid = self.weights.page_ids[block]
-        slots = self.weights.slots[pid]
-        mask = self.masks[block]
-        fwd = self.weights.pager.lazy_page(pid, mx.stop_gradient(x), [not m for m in mask])
-        for s, a in zip(slots, fwd):
-            s.module[s.key] = a
+        pids = self.weights.block_pages[block]
+        fwd = lazy_pages(self.weights, pids, mx.stop_gradient(x), {p: [not m for m in self.masks[p]] for p in pids})
+        for pid in pids:
+            for s, a in zip(self.weights.slots[pid], fwd[pid]):
+                s.module[s.key] = a
         self._bwd.pop(block, None)
 
-    def backward_page(self, block: int, after: mx.array) -> List[mx.array]:
+    def backward_page(self, block: int, pid: int, after: mx.array) -> List[mx.array]:
+        """Page `pid` of block `block` read again for the backward, after
+        `after` (the first cotangent to reach the block): the block's pages
+        are all made at once, read in backward_pages order."""
         got = self._bwd.get(block)
         if got is None:
-            pid = self.weights.page_ids[block]
-            got = self._bwd[block] = self.weights.pager.lazy_page(pid, after, [])
-        return got
+            got = self._bwd[block] = lazy_pages(self.weights, self.back[block], after)
+        return got[pid]
 
     def built(self) -> None:
         """The vector-Jacobian product is built: the graph now holds what it
         needs, and nothing else may hold a page's view past its use (a view
         kept here would keep the frame after the pager evicts the page)."""
         for i in self.blocks:
-            for s in self.weights.slots[self.weights.page_ids[i]]:
-                s.module[s.key] = s.placeholder
+            for pid in self.weights.block_pages[i]:
+                for s in self.weights.slots[pid]:
+                    s.module[s.key] = s.placeholder
         self._bwd.clear()
 
     @contextmanager
@@ -192,15 +245,17 @@ class Stream:
         swapped = []
         try:
             for i in self.blocks:
-                pid = self.weights.page_ids[i]
                 index: Dict[int, Dict[str, int]] = {}
+                page: Dict[int, int] = {}
                 modules = {}
-                for n, (s, streamed) in enumerate(zip(self.weights.slots[pid], self.masks[i])):
-                    if streamed:
-                        index.setdefault(id(s.module), {})[s.key] = n
-                        modules[id(s.module)] = s.module
+                for pid in self.weights.block_pages[i]:
+                    for n, (s, streamed) in enumerate(zip(self.weights.slots[pid], self.masks[pid])):
+                        if streamed:
+                            index.setdefault(id(s.module), {})[s.key] = n
+                            page[id(s.module)] = pid  # a module's tensors share a page (store.split_block)
+                            modules[id(s.module)] = s.module
                 for mid, m in modules.items():
-                    _ACTIVE[mid] = _Binding(self, i, index[mid])
+                    _ACTIVE[mid] = _Binding(self, i, page[mid], index[mid])
                     swapped.append((m, type(m)))
                     m.__class__ = _STREAMED_CLASS[type(m)]
             yield self

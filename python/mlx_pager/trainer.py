@@ -105,7 +105,10 @@ class TrainResult:
     adapter_file: Optional[Path] = None  # the final adapters
     governor_events: List[str] = field(default_factory=list)  # each degradation, in order
     governor_rungs: List[dict] = field(default_factory=list)  # the same, as --report records them
-    page_footprints: List[int] = field(default_factory=list)  # bytes each block's page is charged
+    # The pages as the simulator sees them (session.simulated_pages).
+    page_footprints: List[int] = field(default_factory=list)  # bytes each page is charged
+    block_pages: List[tuple] = field(default_factory=list)  # block i's pages, in use order
+    tail_back_pages: List[tuple] = field(default_factory=list)  # those a tail's backward reads again
 
 
 class PagedTrainer:
@@ -314,6 +317,8 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
     )
     result.plan = session.plan
     result.page_footprints = session.page_footprints
+    result.block_pages = session.block_pages
+    result.tail_back_pages = session.tail_back_pages
     session.gov.on_rung = cb.on_governor
     cb.on_session(session)
     try:

@@ -262,7 +262,7 @@ def test_accesses_from_marks_split_waits_gaps_and_the_tail():
         M("backward", 0, 12.5, 0.5),
         M("eval", 0, 13.0, 0.5),  # not a training block
     ]
-    acc = sim.accesses_from_marks(marks, start=(10.0, 0.0), end=(12.9, 0.5), page_of=[10, 11, 12, 13])
+    acc = sim.accesses_from_marks(marks, start=(10.0, 0.0), end=(12.9, 0.5), block_pages=[10, 11, 12, 13])
     # The tail streams its pages (stream.py): forward 2, 3, backward 3, 2,
     # its 1.0 s split one third forward, two thirds backward.
     assert [a.pages for a in acc] == [(10,), (11,), (12,), (13,), (13,), (12,), (11,), (10,)]
@@ -279,6 +279,23 @@ def test_accesses_from_marks_split_waits_gaps_and_the_tail():
     # The optimizer update (0.4 s) and the embedding (0.2 s) before block 0.
     assert acc[0].gap_s == pytest.approx(0.6)
     assert sum(a.gap_s for a in acc[1:]) == 0
+
+
+def test_accesses_of_blocks_in_several_pages():
+    """A forward block of several pages reads them lazily: one access per
+    page, the block's compute shared; the tail's backward reads the pages
+    it names, in that order; a backward block binds its pages together."""
+    M = sim.BlockMark
+    marks = [
+        M("forward", 0, 1.0, 0.0),
+        M("tail", 1, 4.0, 0.0),
+        M("backward", 0, 6.0, 0.0),
+    ]
+    acc = sim.accesses_from_marks(marks, (0.0, 0.0), (6.0, 0.0), [(0, 1), (2, 3, 4)], [(1, 0), (4, 2)])
+    assert [a.pages for a in acc] == [(0,), (1,), (2,), (3,), (4,), (4,), (2,), (0, 1)]
+    assert [round(a.hold_s + a.gap_s, 6) for a in acc[:2]] == [0.5, 0.5]
+    assert [round(a.hold_s, 6) for a in acc[2:7]] == [round(1 / 3, 6)] * 3 + [1.0, 1.0]
+    assert acc[7].hold_s == pytest.approx(2.0)
 
 
 def test_head_time_goes_to_the_first_backward_block_gap():

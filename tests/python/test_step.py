@@ -33,8 +33,8 @@ def reference(path, num_layers, dora=False):
     return A.reference(path, num_layers, dora=dora, lora=LORA)
 
 
-def paged(path, num_layers, store, tmp_path, dora=False):
-    return A.paged(path, num_layers, store, str(tmp_path), dora=dora, lora=LORA)
+def paged(path, num_layers, store, tmp_path, dora=False, page_parts=None):
+    return A.paged(path, num_layers, store, str(tmp_path), dora=dora, lora=LORA, page_parts=page_parts)
 
 
 def assert_bitwise(ref_grads, grads):
@@ -202,7 +202,7 @@ def test_a_streamed_tail_needs_a_page_not_all_of_them(models, tmp_path, arch, bi
     page = max(w.page_bytes(i) for i in range(L)) + 2 * IO_ALIGN  # a frame: the page, aligned
     budget = w.resident_bytes + IO_ALIGN + pages * page
     w.pager.set_budget(budget)
-    w.pager.set_schedule([w.page_ids[i] for i in S.step_schedule(L, first, first)])
+    w.pager.set_schedule(S.step_pages(w, first, first))
     w.pager.evict_all()
     w.pager.reset_peak()
     before = w.pager.stats()
@@ -281,3 +281,62 @@ def test_spilled_checkpoints_come_back_bitwise(models, tmp_path):
     finally:
         store.close()
     assert not store.path.exists()
+
+
+@pytest.mark.parametrize("arch,bits", [("llama", None), ("qwen3", 4)])
+@pytest.mark.parametrize("tail", [False, True])
+def test_blocks_in_several_pages_are_bitwise_mlx_lm(models, tmp_path, arch, bits, tail):
+    """Each block split into 3 pages (store.split_block): forward blocks read
+    their pages lazily inside their graph, the tail streams them forward and
+    (in reverse) backward, the backward sweep binds them together; the math
+    is mlx-lm's, bit for bit, and the pages are acquired in exactly the
+    order the schedule (step_pages) says."""
+    path = models(arch, bits)
+    (batch,) = batches(path, 1)
+    ref = reference(path, 3)
+    (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+    mx.eval(loss, grads)
+    model, w = paged(path, 3, "in_place", tmp_path, page_parts=3)
+    L, first = len(model.layers), S.first_trained_block(model)
+    assert all(len(p) == 3 for p in w.block_pages)
+    start = first if tail else None
+    order = S.step_pages(w, first, start)
+    # Every page fits, no readahead: each page is read at its first use, so
+    # the reads come in the order the step first uses the pages.
+    w.pager.set_readahead(0)
+    w.pager.set_schedule(order)
+    w.pager.evict_all()
+    w.pager.take_trace()
+    w.pager.enable_trace(True)
+    losses, _, pgrads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], tail_start=start)
+    w.pager.enable_trace(False)
+    assert losses[0].item() == loss.item()
+    assert_bitwise(grads, pgrads)
+    reads = [e[2] for e in sorted(w.pager.take_trace(), key=lambda e: e[6]) if e[0] == "read"]
+    assert reads == list(dict.fromkeys(order))
+    # A budget of one block: the reads are those the simulator's replay of
+    # the pager (simulate.py) makes for the step's accesses (a lazily read
+    # page one access, a bound block its pages together), in that order:
+    # the tail's backward re-reads each block's pages in reverse.
+    from mlx_pager import simulate as sim
+    from mlx_pager.stream import backward_pages
+
+    index = {p: n for n, p in enumerate(w.page_order)}
+    s_tail = L if start is None else start
+    acc = [sim.Access((index[p],)) for i in range(L) for p in w.block_pages[i]]
+    acc += [sim.Access((index[p],)) for i in reversed(range(s_tail, L)) for p in backward_pages(w, i)]
+    acc += [sim.Access(tuple(index[p] for p in w.block_pages[i])) for i in range(s_tail - 1, first - 1, -1)]
+    # (each frame may take one alignment more than page_footprint says: MLX's
+    # allocator rounds small buffers up)
+    budget = max(w.block_footprint(i) + len(w.block_pages[i]) * IO_ALIGN for i in range(L))
+    fps = [w.page_footprint(p) for p in w.page_order]
+    predicted = sim.simulate(acc, fps, budget, sim.Disk(1e9), sim.Settings(0), steps=1, warmup=0)
+    expected = [w.page_order[r.page] for r in predicted.reads]
+    w.pager.set_budget(w.resident_bytes + 2 * IO_ALIGN + budget)  # the pinned resident page counts
+    w.pager.evict_all()
+    w.pager.enable_trace(True)
+    losses, _, pgrads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], tail_start=start)
+    w.pager.enable_trace(False)
+    assert_bitwise(grads, pgrads)
+    reads = [e[2] for e in sorted(w.pager.take_trace(), key=lambda e: e[6]) if e[0] == "read"]
+    assert reads == expected

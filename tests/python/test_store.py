@@ -6,7 +6,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from mlx_pager.store import RESIDENT_PAGE, PagedWeights
+from mlx_pager.store import PAGE_PART_BYTES, RESIDENT_PAGE, PagedWeights, split_block
 
 
 def lazy(path):
@@ -80,6 +80,49 @@ def test_tensors_changed_by_sanitize_are_not_read_in_place(tmp_path):
         PagedWeights(lazy(path), path, budget_bytes=1 << 30, store="in_place")
     model = lazy(path)
     w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path / "swap"), store="auto")
-    assert w.store_kind[w.resident_id] == "swap" and w.store_kind[w.page_ids[0]] == "in_place"
+    assert w.store_kind[w.resident_id] == "swap" and w.store_kind[w.block_pages[0][0]] == "in_place"
     w.pin_resident()
     assert mx.array_equal(model.lm_head.weight, ref["lm_head.weight"]).item()
+
+
+def test_split_block_keeps_modules_whole_norms_first_and_parts_balanced():
+    MB = 1 << 20
+    params = {
+        "attn.q.weight": mx.zeros((4 * MB // 4, 1), mx.float32),  # 4 MB
+        "attn.k.weight": mx.zeros((MB // 4, 1), mx.float32),
+        "attn.k.bias": mx.zeros((4,), mx.float32),
+        "mlp.up.weight": mx.zeros((6 * MB // 4, 1), mx.uint32),  # a quantized layer: 6 MB
+        "mlp.up.scales": mx.zeros((MB // 4, 1), mx.float32),
+        "mlp.down.weight": mx.zeros((5 * MB // 4, 1), mx.float32),
+        "norm.weight": mx.zeros((8,), mx.float32),
+    }
+    names = list(params)
+    assert split_block(names, params, 1) == [["norm.weight"] + names[:-1]]
+    parts = split_block(names, params, 3)
+    assert parts == [
+        ["norm.weight", "attn.q.weight", "attn.k.weight", "attn.k.bias"],
+        ["mlp.up.weight", "mlp.up.scales"],
+        ["mlp.down.weight"],
+    ]
+    # Never more pages than modules with weights, nor asked for.
+    assert len(split_block(names, params, 8)) <= 4
+    # By size: one page per PAGE_PART_BYTES.
+    big = {f"l{i}.weight": mx.zeros((PAGE_PART_BYTES // 4, 1), mx.float32) for i in range(6)}
+    assert len(split_block(list(big), big)) == 6
+    assert len(split_block(list(big)[:1], big)) == 1
+
+
+def test_a_block_in_several_pages_binds_whole(models, tmp_path):
+    path = models("llama", None)
+    ref = dict(tree_flatten(load_model(path)[0].parameters()))
+    model = lazy(path)
+    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), page_parts=2)
+    assert all(len(p) == 2 for p in w.block_pages)
+    assert w.page_order == [p for ps in w.block_pages for p in ps]
+    assert w.block_footprint(0) == sum(w.page_footprint(p) for p in w.block_pages[0])
+    assert w.pager.page_name(w.block_pages[1][1]) == "layers.1:1"
+    w.pin_resident()
+    w.bind(1)
+    for k, v in tree_flatten(model.layers[1].parameters()):
+        assert mx.array_equal(v, ref[f"{w.block_prefixes[1]}.{k}"]).item(), k
+    w.unbind(1)
