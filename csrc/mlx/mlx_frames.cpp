@@ -137,6 +137,25 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   return f;
 }
 
+Frame MlxFrameAllocator::lease(const Frame& frame, std::function<void()> on_release) {
+  const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());
+  mx::array base = owner.base;
+  mx::allocator::Buffer buf = base.buffer();
+  std::shared_ptr<void> keep = frame.owner;
+  mx::array leased(
+      mx::allocator::Data(
+          buf,
+          [keep = std::move(keep),
+           on_release = std::move(on_release)](mx::allocator::Buffer) mutable {
+            on_release();
+            keep.reset();  // the frame goes with its owner's last reference
+          }),
+      base.shape(), base.dtype());
+  Frame out = frame;
+  out.owner = std::make_shared<MlxFrameOwner>(MlxFrameOwner{std::move(leased), owner.data_offset});
+  return out;
+}
+
 mx::array MlxFrameAllocator::view(
     const Frame& frame, std::uint64_t frame_offset, mx::Dtype dtype, const mx::Shape& shape) {
   const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());

@@ -43,6 +43,12 @@ class MlxFrameAllocator : public FrameAllocator {
   // keeps the frame's memory alive.
   static mx::array view(
       const Frame& frame, std::uint64_t frame_offset, mx::Dtype dtype, const mx::Shape& shape);
+  // The same frame behind a buffer of its own (MLX's Data, not owned, so
+  // never donated to an op's output): views of the returned frame keep the
+  // memory alive, and when the last of them is freed, on whatever thread,
+  // `on_release` runs (it must not throw). A lease on the page the frame
+  // holds (Pager::acquire_lease).
+  static Frame lease(const Frame& frame, std::function<void()> on_release);
 
   // The one frame kept for reuse; shared with the frames' deleters, which
   // may run after the allocator is gone (on any thread).

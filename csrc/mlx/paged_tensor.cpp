@@ -58,7 +58,11 @@ class PagedTensors : public mx::Primitive {
         mx::synchronize(stream());
       }
     }
-    NamedArrays arrays = tp_->acquire(page_);
+    // Leased: the views release the page when MLX frees the last of them,
+    // so the pager counts it in use exactly while the graph computes with
+    // it (a page released here could be evicted under its views, and
+    // evicting it would free nothing until they go).
+    NamedArrays arrays = tp_->acquire_leased(page_);
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       const mx::array& view = arrays.at(i).second;
       if (i < copy_.size() && copy_[i]) {
@@ -68,8 +72,7 @@ class PagedTensors : public mx::Primitive {
         outputs[i].copy_shared_buffer(view);
       }
     }
-    arrays.clear();  // the views go before the page is released
-    tp_->release(page_);
+    arrays.clear();  // copies need no lease: it ends once the views are gone
   }
 
   TensorPager* tp_;

@@ -10,10 +10,11 @@
 // runs ahead; a page on disk waits for readahead to start it, which it does
 // once the stream frees an earlier page, or for the stream to drain), makes each output either a
 // view of the page's frame (no copy; the frame lives while the view does) or, where `copy` says so,
-// a copy in its own buffer (for a tensor the graph keeps long after the page's use), and releases
-// the page. The one input `after` orders the read: the page is acquired once `after` is submitted,
-// never earlier (MLX evaluates inputs first; a lazy array without inputs, such as Load, may be read
-// as soon as the evaluation starts).
+// a copy in its own buffer (for a tensor the graph keeps long after the page's use). The views
+// hold a lease on the page (TensorPager::acquire_leased): the pager counts it in use until MLX
+// frees the last of them, then it may be evicted. The one input `after` orders the read: the page
+// is acquired once `after` is submitted, never earlier (MLX evaluates inputs first; a lazy array
+// without inputs, such as Load, may be read as soon as the evaluation starts).
 //
 // Contract: `tp` outlives every array returned (and every graph holding
 // one). The outputs are not differentiable (their cotangent for `after` is

@@ -159,6 +159,31 @@ NamedArrays TensorPager::acquire(PageId id) {
   return out;
 }
 
+NamedArrays TensorPager::acquire_leased(PageId id) {
+  const std::vector<Placed>* layout;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    layout = &layouts_.at(id);
+  }
+  Frame frame = pager_.acquire_lease(id);
+  Frame leased;
+  try {
+    Pager* pager = &pager_;
+    leased = MlxFrameAllocator::lease(frame, [pager, id] { pager->release_lease(id); });
+  } catch (...) {
+    pager_.release_lease(id);
+    throw;
+  }
+  frame = Frame{};
+  NamedArrays out;
+  out.reserve(layout->size());
+  for (const Placed& p : *layout) {
+    out.emplace_back(
+        p.spec.name, MlxFrameAllocator::view(leased, p.frame_offset, p.spec.dtype, p.spec.shape));
+  }
+  return out;  // the lease ends when `leased` and these views are all gone
+}
+
 // Evaluates `a` as a row-contiguous array (e.g. of a transposed or
 // broadcast one), whose bytes are the tensor's.
 static mx::array contiguous_eval(const mx::array& a) {

@@ -64,6 +64,12 @@ class TensorPager {
   // The page's tensors, in registration order. Blocks while the page is read.
   NamedArrays acquire(PageId id);
   void release(PageId id) { pager_.release(id); }
+  // acquire() whose arrays release the page themselves: when the last of
+  // them is freed, on any thread (Pager::acquire_lease, MlxFrameAllocator::
+  // lease). Until then the pager counts the page as in use, so it neither
+  // evicts it under the arrays nor reads another page into memory they
+  // still hold. No release() call.
+  NamedArrays acquire_leased(PageId id);
   // The page's tensors' (dtype, shape), in registration order (no read).
   std::vector<std::pair<mx::Dtype, mx::Shape>> specs(PageId id) const;
 

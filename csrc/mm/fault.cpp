@@ -116,6 +116,29 @@ void Pager::release(PageId id) {
   readahead();
 }
 
+Frame Pager::acquire_lease(PageId id) {
+  Frame f = acquire(id);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++table_.at(id).leases;
+  return f;
+}
+
+void Pager::release_lease(PageId id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    PageEntry& e = table_.at(id);
+    if (e.leases <= 0 || e.refs <= 0) {
+      // Called from a buffer's deleter: throwing would terminate.
+      MLX_PAGER_ASSERT(false && "release_lease without a lease");
+      return;
+    }
+    --e.leases;
+    --e.refs;
+  }
+  cv_.notify_all();
+  accounting_->wake_readahead();
+}
+
 void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);

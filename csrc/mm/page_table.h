@@ -72,6 +72,7 @@ struct PageEntry {
   Frame frame;                // set while in_flight or resident
   std::uint64_t charged = 0;  // bytes this page holds against the budget
   int refs = 0;               // acquire() calls not yet released
+  int leases = 0;             // of those, acquire_lease() calls (released by release_lease())
   bool pinned = false;
   bool mlocked = false;
   bool prefetched = false;  // read by readahead and not yet acquired

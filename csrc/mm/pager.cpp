@@ -36,6 +36,14 @@ void Pager::Accounting::wake_readahead_below(std::uint64_t seen) {
   cv.notify_all();
 }
 
+void Pager::Accounting::wake_readahead() {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    kick = true;
+  }
+  cv.notify_all();
+}
+
 std::uint64_t Pager::elapsed_ns(std::chrono::steady_clock::time_point t0) {
   return static_cast<std::uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)

@@ -41,7 +41,8 @@
 //    allocator_ and io_ are set once; accounting_->charged is atomic;
 //    trace_ has its own lock.
 //  - The readahead thread holds Accounting::mu only while it waits; it
-//    calls readahead() with no lock held.
+//    calls readahead() with no lock held. release_lease() (any thread) takes
+//    mu_, then Accounting::mu, never both at once.
 //  - Lock order: mu_ -> Accounting::mu -> IoBatch::mu_. Accounting::mu and
 //    IoBatch::mu_ are leaves (nothing is locked under them), and so is the
 //    trace recorder's lock (trace.h), taken under any of them. mu_ is NEVER held
@@ -134,6 +135,16 @@ class Pager {
   Frame acquire(PageId id);
   // Ends one acquire(); the page becomes evictable when no acquire is left.
   void release(PageId id);
+  // acquire() for a holder that lets go of the page on whatever thread frees
+  // it (MLX arrays viewing the frame: tensor_pager.h's acquire_leased), by
+  // release_lease(). A fault that needs room while the budget is full of
+  // leased pages waits for them (up to kZombieTimeout), as for evicted
+  // memory still referenced: their holders are computing with them.
+  Frame acquire_lease(PageId id);
+  // Ends one acquire_lease(). Callable from any thread, including one that
+  // frees an MLX buffer, with no lock held: it takes mu_ only to count, and
+  // leaves readahead to the readahead thread (woken, never run inline).
+  void release_lease(PageId id);
   // Reads the page if needed and keeps it resident until unpin(); locks it
   // in RAM where the OS allows.
   void pin(PageId id);
@@ -194,12 +205,15 @@ class Pager {
     // Guarded by mu: the readahead thread runs readahead once charged drops
     // below wake_below (0: it sleeps), and returns on stop.
     std::uint64_t wake_below = 0;
+    bool kick = false;  // run readahead once now (a lease was released)
     bool stop = false;
     void add(std::uint64_t n) { charged += n; }
     void sub(std::uint64_t n);
     void wait_for_free(std::uint64_t seen, std::chrono::milliseconds timeout);
     // Wakes the readahead thread once `seen` is no longer all charged.
     void wake_readahead_below(std::uint64_t seen);
+    // Wakes the readahead thread now.
+    void wake_readahead();
   };
 
   using Lock = std::unique_lock<std::mutex>;

@@ -71,12 +71,14 @@ void Pager::readahead_on_free() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(a.mu);
-      a.cv.wait(
-          lock, [&] { return a.stop || (a.wake_below > 0 && a.charged.load() < a.wake_below); });
+      a.cv.wait(lock, [&] {
+        return a.stop || a.kick || (a.wake_below > 0 && a.charged.load() < a.wake_below);
+      });
       if (a.stop) {
         return;
       }
       a.wake_below = 0;
+      a.kick = false;
     }
     try {
       readahead();

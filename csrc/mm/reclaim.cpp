@@ -175,10 +175,12 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
       continue;
     }
     bool any_in_flight = false;
+    bool any_leased = false;  // in use by arrays that release it when freed
     for (PageId id = 0; id < table_.size(); ++id) {
       if (id != for_page && table_.at(id).state == PageState::in_flight) {
         any_in_flight = true;
       }
+      any_leased = any_leased || (id != for_page && table_.at(id).leases > 0);
     }
     auto t0 = std::chrono::steady_clock::now();
     if (waited_from < 0) {
@@ -190,19 +192,31 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
       stat_.reclaim_wait_ns += elapsed_ns(t0);
       continue;
     }
-    if (charged > held_bytes_) {
+    if (charged > held_bytes_ || any_leased) {
       // Memory of evicted pages that someone still references (an array not
-      // yet freed by MLX). It is freed when the last reference goes; wait a
+      // yet freed by MLX), or pages leased to arrays MLX still computes
+      // with. Either is let go of when the last reference goes; wait a
       // little for that, then give up with a clear message.
       if (zombie_deadline == std::chrono::steady_clock::time_point::max()) {
         zombie_deadline = t0 + kZombieTimeout;
       }
       if (t0 < zombie_deadline) {
-        lock.unlock();
-        accounting_->wait_for_free(charged, kZombiePoll);
-        lock.lock();
+        if (any_leased) {
+          cv_.wait_for(lock, kZombiePoll);  // release_lease notifies cv_
+        } else {
+          lock.unlock();
+          accounting_->wait_for_free(charged, kZombiePoll);
+          lock.lock();
+        }
         stat_.reclaim_wait_ns += elapsed_ns(t0);
         continue;
+      }
+      if (charged <= held_bytes_) {
+        throw BudgetError(
+            "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +
+            std::to_string(need) + " bytes; the budget is " + std::to_string(budget_) +
+            " and every resident page is still in use by arrays viewing it (lazily read "
+            "pages, paged_tensor.h): raise the budget");
       }
       throw BudgetError(
           "[Pager::acquire] page '" + table_.at(for_page).spec.name + "' needs " +

@@ -174,6 +174,39 @@ TEST_CASE("tensor_pager: eviction frees MLX memory once the arrays are gone") {
   CHECK(mx::get_active_memory() <= before);
 }
 
+TEST_CASE("tensor_pager: leased arrays hold the page until MLX frees the last of them") {
+  std::unordered_map<std::string, mx::array> w = {
+      {"a", mx::ones({256, 256})}, {"b", mx::full({256}, 2.0f)}};
+  mx::eval(w.at("a"), w.at("b"));
+  std::string path = check::temp_dir() + "/leased.safetensors";
+  mx::save_safetensors(path, w);
+  TensorPager tp(cfg(16 << 20));
+  PageId id = tp.add_page_in_place("leased", from_index(read_safetensors_index(path)));
+  std::size_t frame = 0;
+  {
+    NamedArrays got = tp.acquire_leased(id);
+    CHECK(got[0].second.buffer().ptr() == got[1].second.buffer().ptr());
+    CHECK(!got[0].second.is_donatable());  // never an op's output buffer
+    tp.pager().evict_all();
+    CHECK(tp.pager().state(id) == PageState::resident);  // in use: not evicted
+    mx::array b = got[1].second;
+    got.clear();
+    CHECK_EQ(mx::sum(b).item<float>(), 512.0f);
+    CHECK(tp.pager().state(id) == PageState::resident);
+    // The last array goes on another thread (MLX's stream, say).
+    std::thread t([b = std::move(b)]() mutable { b = mx::array(0.0f); });
+    t.join();
+    frame = tp.pager().stats().resident_bytes_now;
+    CHECK(frame >= 256u * 256u * 4u);
+  }
+  tp.pager().evict_all();  // released: evictable now, and its memory free
+  CHECK(tp.pager().state(id) == PageState::on_disk);
+  CHECK_EQ(tp.pager().stats().resident_bytes_now, 0u);
+  NamedArrays again = tp.acquire(id);  // the bytes read back whole
+  CHECK_EQ(mx::sum(again[0].second).item<float>(), 256.0f * 256.0f);
+  tp.release(id);
+}
+
 TEST_CASE("tensor_pager: a kept frame a page does not fit is freed before its frame is allocated") {
   std::unordered_map<std::string, mx::array> small = {{"w", mx::ones({1024, 1024})}};
   std::unordered_map<std::string, mx::array> large = {{"w", mx::ones({2048, 1024})}};
