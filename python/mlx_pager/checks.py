@@ -55,6 +55,8 @@ def check_flags(args) -> None:
         raise ValueError(
             f"--max-seq-length must be at least 2 (one input and one target token), not {args.max_seq_length}"
         )
+    if getattr(args, "page_parts", None) is not None and args.page_parts < 1:
+        raise ValueError(f"--page-parts must be 1 (one page per block) or more, not {args.page_parts}")
     if args.readahead is not None and args.readahead < 0:
         raise ValueError(f"--readahead must be 0 (off) or more blocks, not {args.readahead}")
     if args.head_chunk_bytes is not None and args.head_chunk_bytes <= 0:

@@ -66,6 +66,13 @@ def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: 
         "more to overlap reads with compute when the budget is small.",
     )
     g.add_argument("--io-threads", type=int, default=default(4), help="I/O threads (default 4).")
+    g.add_argument(
+        "--page-parts",
+        type=int,
+        default=None,
+        help="pages per block at most: a block over ~72 MB is read in parts of ~48 MB so that a "
+        "small budget reads one while computing another (default: by size; 1: one page per block).",
+    )
     return g
 
 
@@ -363,6 +370,7 @@ def generate_main(argv) -> int:
             readahead=args.readahead,
             readahead_mode=args.readahead_mode,
             io_threads=args.io_threads,
+            page_parts=args.page_parts,
             trust_remote_code=args.trust_remote_code,
             measure_read=True,
         )

@@ -405,6 +405,7 @@ def load_paged(
     readahead_mode: str = "conservative",
     io_threads: int = 4,
     direct_io: bool = True,
+    page_parts: Optional[int] = None,
     tokenizer_config: Optional[dict] = None,
     trust_remote_code: bool = False,
     measure_read: bool = False,
@@ -454,6 +455,7 @@ def load_paged(
             readahead_mode=readahead_mode,
         ),
         progress=progress,
+        page_parts=page_parts,
     )
     if adapter_path is not None:
         load_adapters(model, str(adapter_path))  # mlx-lm's own: LoRA/DoRA layers + weights

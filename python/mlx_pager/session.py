@@ -445,6 +445,7 @@ def open_session(
             readahead_mode=args.readahead_mode,
         ),
         progress=prep_progress,
+        page_parts=getattr(args, "page_parts", None),
     )
     release_heap()
     attach_adapters()
