@@ -17,8 +17,9 @@ length, each configuration in its own process (so peak RSS is its own):
                    placement, whose tail streams its pages, measured at
                    start-up); conservative readahead (MIN reads)
   aggr 50..10%     the same with aggressive readahead (more reads, more overlap)
-  whole 50..10%    where blocks are paged in parts (store.split_block), the
-                   'pager' rows with one page per block (--page-parts 1)
+  parts 50..10%    where blocks are large enough to page in parts
+                   (--page-parts auto, store.split_block), the 'pager' and
+                   'aggr' rows with each block in parts of ~48 MB
   auto 50..10%     the readahead depth and mode simulate.choose_readahead
                    picks from the 'pager' row's measured compute and R (the
                    automatic choice the trainer makes without --readahead)
@@ -297,7 +298,7 @@ def worker_pager(cfg):
         ssd_cache_dir=cfg["cache"],
         readahead_mode=cfg.get("readahead_mode", "conservative"),
         io_threads=IO_THREADS,
-        page_parts=cfg.get("page_parts"),
+        page_parts=cfg.get("page_parts", 1),
     )
     marks = step_marks_callback()
     res = run(types.SimpleNamespace(**args), marks)
@@ -477,6 +478,7 @@ def bench_one(name, shape, a, out_dir):
     import psutil
 
     from mlx_pager import modelgen, simulate
+    from mlx_pager.store import PAGE_PART_BYTES
 
     spec_kw = dict(arch="llama", vocab_size=1024, dtype="float32", bits=None, seed=0)
     spec_kw.update(shape["spec"])
@@ -576,11 +578,18 @@ def bench_one(name, shape, a, out_dir):
     measure_rate()
     for f in [f for f in fractions if f < 1] if shape.get("aggressive", True) else []:
         go(f"aggr {pct(f)}", page_budget=page_budget(f), readahead_mode="aggressive", **pager)
-    if any(len(p) > 1 for p in results.get("pager 100%", {}).get("block_pages", [])):
-        # Blocks paged in parts (store.split_block): the same budgets with
-        # one page per block, side by side.
+    if footprint > 1.5 * PAGE_PART_BYTES:
+        # Blocks large enough to page in parts (--page-parts auto,
+        # store.split_block): the same budgets, side by side.
         for f in [f for f in fractions if f < 1]:
-            go(f"whole {pct(f)}", page_budget=page_budget(f), page_parts=1, **pager)
+            go(f"parts {pct(f)}", page_budget=page_budget(f), page_parts="auto", **pager)
+            go(
+                f"parts aggr {pct(f)}",
+                page_budget=page_budget(f),
+                page_parts="auto",
+                readahead_mode="aggressive",
+                **pager,
+            )
     for f in [f for f in fractions if f < 1]:
         r = results.get(f"pager {pct(f)}")
         if r is None or not want(f"auto {pct(f)}"):

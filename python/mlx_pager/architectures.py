@@ -606,7 +606,7 @@ def paged(
     cache_dir=None,
     dora: bool = False,
     lora=LORA,
-    page_parts: Optional[int] = None,
+    page_parts: Optional[int] = 1,
 ):
     """The same model with its frozen weights paged (PagedWeights, each
     block in at most `page_parts` pages), the same adapters. Returns

@@ -55,8 +55,9 @@ def check_flags(args) -> None:
         raise ValueError(
             f"--max-seq-length must be at least 2 (one input and one target token), not {args.max_seq_length}"
         )
-    if getattr(args, "page_parts", None) is not None and args.page_parts < 1:
-        raise ValueError(f"--page-parts must be 1 (one page per block) or more, not {args.page_parts}")
+    parts = getattr(args, "page_parts", 1)
+    if parts != "auto" and (not isinstance(parts, int) or parts < 1):
+        raise ValueError(f"--page-parts must be 'auto', 1 (one page per block) or more, not {parts}")
     if args.readahead is not None and args.readahead < 0:
         raise ValueError(f"--readahead must be 0 (off) or more blocks, not {args.readahead}")
     if args.head_chunk_bytes is not None and args.head_chunk_bytes <= 0:

@@ -68,12 +68,23 @@ def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: 
     g.add_argument("--io-threads", type=int, default=default(4), help="I/O threads (default 4).")
     g.add_argument(
         "--page-parts",
-        type=int,
-        default=None,
-        help="pages per block at most: a block over ~72 MB is read in parts of ~48 MB so that a "
-        "small budget reads one while computing another (default: by size; 1: one page per block).",
+        type=_page_parts,
+        default=default(1),
+        help="pages per block: 1 (default) one page per block; 'auto': a block over ~72 MB in parts "
+        "of ~48 MB, so that a page budget of about one block reads one part while computing another "
+        "(faster there; slower with room for several blocks); N: N parts.",
     )
     return g
+
+
+def _page_parts(text: str):
+    """--page-parts: 'auto' or a whole number (checks.py refuses one below 1)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of pages, not '{text}'") from None
 
 
 def _lora_parser() -> argparse.ArgumentParser:
@@ -370,7 +381,7 @@ def generate_main(argv) -> int:
             readahead=args.readahead,
             readahead_mode=args.readahead_mode,
             io_threads=args.io_threads,
-            page_parts=args.page_parts,
+            page_parts=None if args.page_parts == "auto" else args.page_parts,
             trust_remote_code=args.trust_remote_code,
             measure_read=True,
         )

@@ -405,7 +405,7 @@ def load_paged(
     readahead_mode: str = "conservative",
     io_threads: int = 4,
     direct_io: bool = True,
-    page_parts: Optional[int] = None,
+    page_parts: Optional[int] = 1,
     tokenizer_config: Optional[dict] = None,
     trust_remote_code: bool = False,
     measure_read: bool = False,

@@ -328,6 +328,11 @@ class Session:
         self.weights.pager.set_schedule(self.weights.page_order)
 
 
+def page_parts(arg) -> Optional[int]:
+    """PagedWeights' page_parts for --page-parts ('auto': None, by size)."""
+    return None if arg == "auto" else int(arg)
+
+
 def simulated_pages(weights: PagedWeights) -> dict:
     """Session's page_footprints, block_pages and tail_back_pages."""
     index = {pid: n for n, pid in enumerate(weights.page_order)}
@@ -445,7 +450,7 @@ def open_session(
             readahead_mode=args.readahead_mode,
         ),
         progress=prep_progress,
-        page_parts=getattr(args, "page_parts", None),
+        page_parts=page_parts(getattr(args, "page_parts", 1)),
     )
     release_heap()
     attach_adapters()

@@ -171,8 +171,9 @@ class PagedWeights:
         reload: returns the model freshly loaded with ``lazy=True``, to
             rebuild a swap page whose bytes fail their checksum (default:
             mlx_lm's load_model of model_path).
-        page_parts: pages per block, at most (split_block; None: by size,
-            one per PAGE_PART_BYTES; 1: one page per block).
+        page_parts: pages per block (split_block): 1 (default) one page
+            per block; None: by size, one per PAGE_PART_BYTES; N: N, at
+            most one per module.
 
     With an ssd_cache_dir every page read is verified against a checksum
     (swapcache.py keeps them): a swap page that fails it twice is rebuilt
@@ -191,7 +192,7 @@ class PagedWeights:
         progress=None,
         cache_max_bytes: Optional[int] = None,
         reload=None,
-        page_parts: Optional[int] = None,
+        page_parts: Optional[int] = 1,
     ):
         if store not in ("auto", "in_place", "swap"):
             raise ValueError(f"store must be 'auto', 'in_place' or 'swap', not '{store}'")

@@ -81,7 +81,7 @@ def test_missing_data_dir_and_model_dir(capsys, model, tmp_path):
     [
         ("--batch-size", 0, "--batch-size must be a whole number of at least 1"),
         ("--readahead", -1, "--readahead must be 0"),
-        ("--page-parts", 0, "--page-parts must be 1"),
+        ("--page-parts", 0, "--page-parts must be 'auto', 1"),
         ("--iters", 0, "--iters must be"),
         ("--memory-budget", "abc", "invalid --memory-budget 'abc'"),
     ],
