@@ -478,7 +478,8 @@ def bench_one(name, shape, a, out_dir):
     import psutil
 
     from mlx_pager import modelgen, simulate
-    from mlx_pager.store import PAGE_PART_BYTES
+    from mlx_pager._core import IO_ALIGN
+    from mlx_pager.store import MAX_PAGE_PARTS, PAGE_PART_BYTES
 
     spec_kw = dict(arch="llama", vocab_size=1024, dtype="float32", bits=None, seed=0)
     spec_kw.update(shape["spec"])
@@ -581,11 +582,15 @@ def bench_one(name, shape, a, out_dir):
     if footprint > 1.5 * PAGE_PART_BYTES:
         # Blocks large enough to page in parts (--page-parts auto,
         # store.split_block): the same budgets, side by side.
+        # A block in parts is charged each part's alignment: at least one
+        # block's worth of them.
+        least = footprint + 2 * MAX_PAGE_PARTS * IO_ALIGN
         for f in [f for f in fractions if f < 1]:
-            go(f"parts {pct(f)}", page_budget=page_budget(f), page_parts="auto", **pager)
+            b = max(page_budget(f), least)
+            go(f"parts {pct(f)}", page_budget=b, page_parts="auto", **pager)
             go(
                 f"parts aggr {pct(f)}",
-                page_budget=page_budget(f),
+                page_budget=b,
                 page_parts="auto",
                 readahead_mode="aggressive",
                 **pager,
