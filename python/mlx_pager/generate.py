@@ -424,7 +424,9 @@ def load_paged(
     blocks. With `measure_read`, ``paged.read_rate`` is the pager's measured
     read rate (bytes/s), for the bound on decode time. `page_budget` (bytes;
     benchmarks and tests) replaces `memory_budget` by the plan's fixed part
-    plus exactly that much for pages."""
+    plus exactly that much for pages. `page_parts`: pages per block
+    (PagedWeights; None: large blocks in parts by size); generation binds
+    each block whole."""
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load_model, load_tokenizer
 

@@ -64,6 +64,26 @@ def test_greedy_tokens_equal_mlx_lm(trained, tmp_path, arch):
     assert paged.summary()["decode_bytes"] == 0  # everything fits: nothing read after warm-up
 
 
+def test_blocks_in_parts_generate_the_same_tokens(trained, tmp_path):
+    """Each block in 2 pages (--page-parts 2), bound whole per block, at a
+    budget of two blocks: the tokens are mlx-lm's."""
+    path, ad = trained["llama"]
+    model, tok = mlx_lm.load(str(path), adapter_path=str(ad))
+    mx.random.seed(0)
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=12)]
+    del model
+    probe, _ = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"), page_parts=2)
+    assert all(len(p) == 2 for p in probe.weights.block_pages)
+    two = 2 * probe.weights.max_block_footprint + 4 * 4096
+    del probe
+    paged, ptok = load_paged(
+        str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"), page_parts=2, page_budget=two
+    )
+    mx.random.seed(0)
+    assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=12)] == ref
+    assert paged.summary()["decode_bytes"] > 0  # pages were read every token
+
+
 def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     """Prefill is layer-major per chunk: a chunk's tokens pass through a block
     together, so a block is read at most once per chunk, not once per token;
