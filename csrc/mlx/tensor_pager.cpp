@@ -138,33 +138,32 @@ PageId TensorPager::add_page_from_swap(
   return add(std::move(spec), std::move(placed));
 }
 
-NamedArrays TensorPager::acquire(PageId id) {
+NamedArrays TensorPager::views(PageId id, const Frame& frame) const {
   const std::vector<Placed>* layout;
   {
     std::lock_guard<std::mutex> lock(mu_);
     layout = &layouts_.at(id);  // deque: stays valid as pages are added
   }
-  Frame frame = pager_.acquire(id);
   NamedArrays out;
   out.reserve(layout->size());
-  try {
-    for (const Placed& p : *layout) {
-      out.emplace_back(
-          p.spec.name, MlxFrameAllocator::view(frame, p.frame_offset, p.spec.dtype, p.spec.shape));
-    }
-  } catch (...) {
-    pager_.release(id);
-    throw;
+  for (const Placed& p : *layout) {
+    out.emplace_back(
+        p.spec.name, MlxFrameAllocator::view(frame, p.frame_offset, p.spec.dtype, p.spec.shape));
   }
   return out;
 }
 
-NamedArrays TensorPager::acquire_leased(PageId id) {
-  const std::vector<Placed>* layout;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    layout = &layouts_.at(id);
+NamedArrays TensorPager::acquire(PageId id) {
+  Frame frame = pager_.acquire(id);
+  try {
+    return views(id, frame);
+  } catch (...) {
+    pager_.release(id);
+    throw;
   }
+}
+
+NamedArrays TensorPager::acquire_leased(PageId id) {
   Frame frame = pager_.acquire_lease(id);
   Frame leased;
   try {
@@ -174,14 +173,9 @@ NamedArrays TensorPager::acquire_leased(PageId id) {
     pager_.release_lease(id);
     throw;
   }
-  frame = Frame{};
-  NamedArrays out;
-  out.reserve(layout->size());
-  for (const Placed& p : *layout) {
-    out.emplace_back(
-        p.spec.name, MlxFrameAllocator::view(leased, p.frame_offset, p.spec.dtype, p.spec.shape));
-  }
-  return out;  // the lease ends when `leased` and these views are all gone
+  // The lease ends when `leased` and these views are all gone (also if
+  // making them throws).
+  return views(id, leased);
 }
 
 // Evaluates `a` as a row-contiguous array (e.g. of a transposed or

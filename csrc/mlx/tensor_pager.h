@@ -85,6 +85,8 @@ class TensorPager {
     std::uint64_t frame_offset;
   };
   PageId add(PageSpec spec, std::vector<Placed> tensors);
+  // Page `id`'s tensors viewing `frame`, in registration order.
+  NamedArrays views(PageId id, const Frame& frame) const;
 
   std::shared_ptr<MlxFrameAllocator> alloc_;
   Pager pager_;

@@ -524,33 +524,23 @@ def first_trained_block(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def step_schedule(
-    num_blocks: int, first_trained: int, tail_start: Optional[int] = None, micro_batches: int = 1
-) -> List[int]:
-    """The block access order of one training step: forward, then backward
-    down to the first trained block. With a tail segment starting at s,
-    blocks s..L-1 are read forward then backward (streamed, stream.py) once
-    per micro-batch, and the backward sweep below starts at s-1."""
-    L = num_blocks
-    s = L if tail_start is None else max(first_trained, min(L, tail_start))
-    tail = (list(range(s, L)) + list(range(L - 1, s - 1, -1))) * micro_batches
-    return list(range(s)) + tail + list(range(s - 1, first_trained - 1, -1))
-
-
 def step_pages(weights, first_trained: int, tail_start: Optional[int], micro_batches: int = 1, after=None) -> List[int]:
-    """The page ids of one training step in the order it acquires them
-    (step_schedule's blocks, each block's pages in order; a streamed tail's
-    backward reads stream.backward_pages). `after(i)`: pages acquired
-    right after block i's in the backward sweep (its spilled checkpoints)."""
+    """The page ids of one training step in the order it acquires them:
+    forward, then backward down to the first trained block, each block's
+    pages in order. With a tail segment starting at s, blocks s..L-1 are
+    read forward then backward (streamed, stream.py: the pages
+    backward_pages names) once per micro-batch, and the backward sweep
+    below starts at s-1. `after(i)`: pages acquired right after block i's
+    in the backward sweep (its spilled checkpoints)."""
     from .stream import backward_pages
 
     L = weights.num_blocks
     s = L if tail_start is None else max(first_trained, min(L, tail_start))
     pages = weights.block_pages
     ids = [p for i in range(s) for p in pages[i]]
-    for _ in range(micro_batches if s < L else 0):
-        ids += [p for i in range(s, L) for p in pages[i]]
-        ids += [p for i in range(L - 1, s - 1, -1) for p in backward_pages(weights, i)]
+    tail = [p for i in range(s, L) for p in pages[i]]
+    tail += [p for i in range(L - 1, s - 1, -1) for p in backward_pages(weights, i)]
+    ids += tail * micro_batches
     for i in range(s - 1, first_trained - 1, -1):
         ids += pages[i]
         ids += list(after(i)) if after is not None else []

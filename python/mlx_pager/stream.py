@@ -67,28 +67,31 @@ def _not_called_as_modules(block: nn.Module) -> set:
     return out
 
 
-def plan_page(weights, pid: int) -> List[bool]:
-    """For each tensor of page `pid` (registration order): True where a
-    streamed tail re-reads it in the backward, False where it is held as a
-    copy from the forward."""
-    block = next(i for i, pages in enumerate(weights.block_pages) if pid in pages)
+def plan_block(weights, block: int) -> Dict[int, List[bool]]:
+    """For each page of block `block`, for each of its tensors (registration
+    order): True where a streamed tail re-reads it in the backward, False
+    where it is held as a copy from the forward."""
     direct = _not_called_as_modules(weights.model.layers[block])
-    return [s.key in streamed_keys(s.module) and id(s.module) not in direct for s in weights.slots[pid]]
+    return {
+        pid: [s.key in streamed_keys(s.module) and id(s.module) not in direct for s in weights.slots[pid]]
+        for pid in weights.block_pages[block]
+    }
 
 
 def backward_pages(weights, block: int) -> List[int]:
     """The pages of block `block` a streamed tail reads again for its
     backward, in the order it reads them (the reverse of the forward's):
     those holding a streamed tensor."""
-    return [p for p in reversed(weights.block_pages[block]) if any(plan_page(weights, p))]
+    masks = plan_block(weights, block)
+    return [p for p in reversed(weights.block_pages[block]) if any(masks[p])]
 
 
 def held_bytes(weights, block: int) -> int:
     """Bytes a streamed tail holds of block `block` from forward to backward."""
     return sum(
         int(s.placeholder.nbytes)
-        for pid in weights.block_pages[block]
-        for s, streamed in zip(weights.slots[pid], plan_page(weights, pid))
+        for pid, mask in plan_block(weights, block).items()
+        for s, streamed in zip(weights.slots[pid], mask)
         if not streamed
     )
 
@@ -106,6 +109,13 @@ def lazy_pages(weights, pids, after: mx.array, copy=None) -> Dict[int, List[mx.a
     return out
 
 
+def _placeholders(weights, pids) -> None:
+    """Pages `pids`' tensors out of the model: their placeholders back."""
+    for pid in pids:
+        for s in weights.slots[pid]:
+            s.module[s.key] = s.placeholder
+
+
 @contextmanager
 def forward_pages(weights, block: int, after: mx.array):
     """Block `block` in the model for one forward, its pages as lazy reads
@@ -118,9 +128,7 @@ def forward_pages(weights, block: int, after: mx.array):
     got = lazy_pages(weights, pids, mx.stop_gradient(after))
 
     def drop():
-        for pid in pids:
-            for s in weights.slots[pid]:
-                s.module[s.key] = s.placeholder
+        _placeholders(weights, pids)
 
     try:
         for pid in pids:
@@ -206,7 +214,7 @@ class Stream:
         self.blocks = list(blocks)
         # Planned before bound() swaps the layers' classes (streamed_keys
         # goes by class).
-        self.masks = {p: plan_page(weights, p) for i in self.blocks for p in weights.block_pages[i]}
+        self.masks = {p: m for i in self.blocks for p, m in plan_block(weights, i).items()}
         self.back = {i: backward_pages(weights, i) for i in self.blocks}
         self._bwd: Dict[int, Dict[int, List[mx.array]]] = {}
         self._bindings: Dict[int, _Binding] = {}
@@ -232,10 +240,7 @@ class Stream:
         """The vector-Jacobian product is built: the graph now holds what it
         needs, and nothing else may hold a page's view past its use (a view
         kept here would keep the frame after the pager evicts the page)."""
-        for i in self.blocks:
-            for pid in self.weights.block_pages[i]:
-                for s in self.weights.slots[pid]:
-                    s.module[s.key] = s.placeholder
+        _placeholders(self.weights, [p for i in self.blocks for p in self.weights.block_pages[i]])
         self._bwd.clear()
 
     @contextmanager
