@@ -137,6 +137,15 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   return f;
 }
 
+bool MlxFrameAllocator::unshared(const Frame& frame) const {
+  if (frame.owner == nullptr || frame.owner.use_count() != 1) {
+    return false;  // leased (a lease keeps the owner)
+  }
+  // Views share the base array's Data (copy_shared_buffer).
+  const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());
+  return owner.base.data_shared_ptr().use_count() == 1;
+}
+
 Frame MlxFrameAllocator::lease(const Frame& frame, std::function<void()> on_release) {
   const auto& owner = *static_cast<const MlxFrameOwner*>(frame.owner.get());
   mx::array base = owner.base;
@@ -147,8 +156,12 @@ Frame MlxFrameAllocator::lease(const Frame& frame, std::function<void()> on_rele
           buf,
           [keep = std::move(keep),
            on_release = std::move(on_release)](mx::allocator::Buffer) mutable {
+            // The lease's hold on the frame goes first: the pager, told
+            // next, may evict the page at once, and keeps its frame for
+            // another read only when nothing else holds it (unshared). A
+            // frame the page still holds is not freed here.
+            keep.reset();
             on_release();
-            keep.reset();  // the frame goes with its owner's last reference
           }),
       base.shape(), base.dtype());
   Frame out = frame;

@@ -32,6 +32,8 @@ class MlxFrameAllocator : public FrameAllocator {
   MlxFrameAllocator();
   std::uint64_t footprint(std::uint64_t bytes) const override;
   Frame allocate(std::uint64_t bytes, std::function<void()> on_free) override;
+  // No lease and no array view holds the frame's buffer.
+  bool unshared(const Frame& frame) const override;
   // Frees the kept frame to MLX (then mx.clear_cache() can return it to the
   // OS). Returns its bytes (0: none was kept).
   std::uint64_t drop_kept();

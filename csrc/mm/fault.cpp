@@ -144,11 +144,28 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   PageEntry& e = table_.at(id);
   std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
   if (urgent) {
-    make_room_locked(lock, need, id);
+    make_room_locked(lock, need, id, /*or_free_frame=*/true);
   }
   // make_room may have waited with the lock released: another thread may have
   // started this very read meanwhile.
   if (e.state != PageState::on_disk) {
+    return;
+  }
+  std::ptrdiff_t kept = free_frame_for_locked(lock, e.spec.frame_bytes, need);
+  if (kept >= 0) {
+    // A kept free frame of this page's size: already charged.
+    FreeFrame f = std::move(free_frames_[static_cast<std::size_t>(kept)]);
+    free_frames_.erase(free_frames_.begin() + kept);
+    free_frame_bytes_ -= f.charged;
+    held_bytes_ += f.charged;
+    e.charged = f.charged;
+    e.state = PageState::in_flight;
+    e.prefetched = !urgent;
+    ++e.read_gen;
+    e.frame = std::move(f.frame);
+    ++stat_.frames_reused;
+    note_peak_locked(lock);
+    submit_read_locked(lock, id, urgent);
     return;
   }
   accounting_->add(need);
@@ -215,12 +232,20 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
     charge->store(frame.footprint);
     note_peak_locked(lock);
   }
+  submit_read_locked(lock, id, urgent);
+}
+
+void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  PageEntry& e = table_.at(id);
+  MLX_PAGER_ASSERT(e.state == PageState::in_flight && e.frame.data != nullptr);
+  std::uint64_t gen = e.read_gen;
   std::vector<ReadOp> ops;
   ops.reserve(e.spec.extents.size());
   for (const Extent& x : e.spec.extents) {
     ops.push_back(ReadOp{
         &table_.file(x.file), x.file_offset, static_cast<std::size_t>(x.length),
-        static_cast<std::size_t>(x.required), frame.data + x.frame_offset});
+        static_cast<std::size_t>(x.required), e.frame.data + x.frame_offset});
   }
   if (!urgent) {
     ++stat_.readahead_reads;

@@ -5,6 +5,14 @@
 
 namespace mlx_pager {
 
+bool FrameAllocator::unshared(const Frame&) const {
+  return false;
+}
+
+bool HeapFrameAllocator::unshared(const Frame& frame) const {
+  return frame.owner != nullptr && frame.owner.use_count() == 1;
+}
+
 std::uint64_t HeapFrameAllocator::footprint(std::uint64_t bytes) const {
   return align_up(bytes == 0 ? 1 : bytes, kIoAlign);
 }

@@ -38,6 +38,11 @@ class FrameAllocator {
   // exactly once, when the memory of the returned frame is released; never
   // when allocate throws. Throws std::bad_alloc (or the backend's error).
   virtual Frame allocate(std::uint64_t bytes, std::function<void()> on_free) = 0;
+  // True when nothing but `frame` itself references its memory (no array
+  // views it): the pager may then keep it, still charged, for another page's
+  // read (PagerConfig::keep_free_frames). A pure query: the pager calls it
+  // under its lock. Default: never (the frame is freed on eviction).
+  virtual bool unshared(const Frame& frame) const;
 };
 
 // Frames from posix_memalign: for the MLX-free core and its tests.
@@ -45,6 +50,7 @@ class HeapFrameAllocator : public FrameAllocator {
  public:
   std::uint64_t footprint(std::uint64_t bytes) const override;
   Frame allocate(std::uint64_t bytes, std::function<void()> on_free) override;
+  bool unshared(const Frame& frame) const override;
 };
 
 }  // namespace mlx_pager

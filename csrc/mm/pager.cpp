@@ -62,7 +62,12 @@ void Pager::check_accounting_locked(const Lock& lock) const {
     held += table_.at(id).charged;
   }
   MLX_PAGER_ASSERT(held == held_bytes_);
-  MLX_PAGER_ASSERT(charged_now() >= held_bytes_);
+  std::uint64_t kept = 0;
+  for (const FreeFrame& f : free_frames_) {
+    kept += f.charged;
+  }
+  MLX_PAGER_ASSERT(kept == free_frame_bytes_);
+  MLX_PAGER_ASSERT(charged_now() >= held_bytes_ + free_frame_bytes_);
 #else
   (void)lock;
 #endif
@@ -186,6 +191,10 @@ std::uint64_t Pager::set_budget(std::uint64_t bytes) {
   // Shrink: evict what nobody holds until the new budget holds (best effort;
   // pages in use and pinned pages stay and are evicted as they are released).
   while (charged_now() > budget_) {
+    if (drop_free_frame_locked(lock)) {
+      drop_graveyard_unlocked(lock);
+      continue;
+    }
     auto cands = evictable_locked(lock);
     if (cands.empty()) {
       break;
@@ -246,6 +255,7 @@ VmStat Pager::stats() const {
   VmStat s = stat_;
   s.io_retries = io_.retries();
   s.resident_bytes_now = charged_now();
+  s.free_frame_bytes_now = free_frame_bytes_;
   s.peak_resident_bytes = std::max(s.peak_resident_bytes, s.resident_bytes_now);
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);

@@ -116,9 +116,13 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
       return true;  // someone else started it while the lock was dropped
     }
     std::uint64_t charged = charged_now();
-    if (charged + need <= budget_) {
+    if (charged + need <= budget_ || free_frame_for_locked(lock, e.spec.frame_bytes, need) >= 0) {
       start_read_locked(lock, id, /*urgent=*/false);
       return e.state != PageState::on_disk;  // on disk: it did not fit
+    }
+    if (drop_free_frame_locked(lock)) {
+      drop_graveyard_unlocked(lock);  // free memory: dropping it costs no read
+      continue;
     }
     if (charged > held_bytes_) {
       // Evicted memory not yet freed: do not wait here; the readahead

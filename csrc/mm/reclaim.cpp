@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "mm/bug.h"
+#include "mm/direct_io.h"
 #include "mm/pager.h"
 
 namespace mlx_pager {
@@ -83,9 +84,14 @@ void Pager::evict_locked(const Lock& lock, PageId id) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
   MLX_PAGER_ASSERT(e.state == PageState::resident && e.refs == 0 && !e.pinned);
-  graveyard_.push_back(std::move(e.frame.owner));
-  e.frame = Frame{};
   std::uint64_t charged = e.charged;
+  if (config_.keep_free_frames && allocator_->unshared(e.frame)) {
+    free_frame_bytes_ += charged;
+    free_frames_.push_back(FreeFrame{std::move(e.frame), charged});
+  } else {
+    graveyard_.push_back(std::move(e.frame.owner));
+  }
+  e.frame = Frame{};
   held_bytes_ -= e.charged;
   e.charged = 0;
   e.state = PageState::on_disk;
@@ -109,7 +115,45 @@ void Pager::evict_all() {
       evict_locked(lock, id);
     }
   }
+  while (drop_free_frame_locked(lock)) {
+  }
   drop_graveyard_unlocked(lock);
+}
+
+std::uint64_t Pager::drop_free_frames() {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::uint64_t n = free_frame_bytes_;
+  while (drop_free_frame_locked(lock)) {
+  }
+  drop_graveyard_unlocked(lock);
+  return n;
+}
+
+std::ptrdiff_t Pager::free_frame_for_locked(
+    const Lock& lock, std::uint64_t frame_bytes, std::uint64_t need) const {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  // One of the page's own size (a block's parts come in a few sizes, the
+  // same in every block): a page charged more than a fresh frame would cost
+  // leaves less of the budget to the others, and a block must still fit in
+  // its own footprint. MLX rounds a buffer up by a few pages at most.
+  for (std::size_t i = 0; i < free_frames_.size(); ++i) {
+    const FreeFrame& f = free_frames_[i];
+    if (f.frame.size >= frame_bytes && f.charged <= need + 4 * kIoAlign) {
+      return static_cast<std::ptrdiff_t>(i);
+    }
+  }
+  return -1;
+}
+
+bool Pager::drop_free_frame_locked(const Lock& lock) {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  if (free_frames_.empty()) {
+    return false;
+  }
+  free_frame_bytes_ -= free_frames_.front().charged;
+  graveyard_.push_back(std::move(free_frames_.front().frame.owner));
+  free_frames_.erase(free_frames_.begin());
+  return true;
 }
 
 void Pager::discard(PageId id) {
@@ -143,7 +187,7 @@ void Pager::drop_graveyard_unlocked(Lock& lock) {
   lock.lock();
 }
 
-void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
+void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page, bool or_free_frame) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   check_accounting_locked(lock);
   if (need > budget_) {
@@ -167,6 +211,15 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page) {
         trace_.record(te);
       }
       return;
+    }
+    if (or_free_frame &&
+        free_frame_for_locked(lock, table_.at(for_page).spec.frame_bytes, need) >= 0) {
+      return;  // the read reuses it
+    }
+    // Kept free frames (none fits) first: dropping one costs no read.
+    if (drop_free_frame_locked(lock)) {
+      drop_graveyard_unlocked(lock);
+      continue;
     }
     auto cands = evictable_locked(lock);
     if (!cands.empty()) {

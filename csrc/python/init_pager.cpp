@@ -58,6 +58,8 @@ nb::dict stats_dict(const VmStat& s) {
   d["mlocked_bytes"] = s.mlocked_bytes_now;
   d["resident_pages"] = s.resident_pages_now;
   d["in_flight_pages"] = s.in_flight_pages_now;
+  d["frames_reused"] = s.frames_reused;
+  d["free_frame_bytes"] = s.free_frame_bytes_now;
   d["direct_files"] = s.direct_files;
   d["buffered_files"] = s.buffered_files;
   return d;
@@ -93,7 +95,7 @@ void init_pager(nb::module_& m) {
           "__init__",
           [](TensorPager* self, std::uint64_t budget_bytes, const std::string& policy,
              int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io,
-             const std::string& readahead_mode) {
+             const std::string& readahead_mode, bool keep_free_frames) {
             PagerConfig c;
             if (readahead_mode != "conservative" && readahead_mode != "aggressive") {
               throw std::invalid_argument(
@@ -107,11 +109,12 @@ void init_pager(nb::module_& m) {
             c.io_threads = io_threads;
             c.io_chunk_bytes = io_chunk_bytes;
             c.direct_io = direct_io;
+            c.keep_free_frames = keep_free_frames;
             new (self) TensorPager(c);
           },
           "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2, "io_threads"_a = 4,
           "io_chunk_bytes"_a = kDefaultIoChunkBytes, "direct_io"_a = true,
-          "readahead_mode"_a = "conservative")
+          "readahead_mode"_a = "conservative", "keep_free_frames"_a = true)
       .def(
           "add_page_in_place",
           [](TensorPager& tp, const std::string& name, const std::vector<InPlaceTensor>& tensors,
@@ -185,6 +188,14 @@ void init_pager(nb::module_& m) {
           },
           "page"_a)
       .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
+      .def(
+          "drop_free_frames",
+          [](TensorPager& tp) {
+            nb::gil_scoped_release unlocked;
+            return tp.pager().drop_free_frames();
+          },
+          "Frees the frames of evicted pages kept (charged) for the next reads "
+          "(PagerConfig::keep_free_frames); returns their bytes.")
       .def(
           "drop_kept_frame", [](TensorPager& tp) { return tp.frames().drop_kept(); },
           "Frees the frame kept for the next read to MLX (mlx_frames.h); returns its bytes.")

@@ -174,6 +174,9 @@ class Governor:
         drop_kept = getattr(self.pager, "drop_kept_frame", None)
         if drop_kept is not None:
             drop_kept()  # the frame kept for the next read goes with MLX's cache
+        drop_free = getattr(self.pager, "drop_free_frames", None)
+        if drop_free is not None:
+            drop_free()  # so do evicted pages' frames kept for the next reads
         mx.clear_cache()
         rss = process_rss()
         if rss <= limit:

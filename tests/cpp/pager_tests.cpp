@@ -287,7 +287,9 @@ TEST_CASE("pager: lru matches the LRU simulator, and never beats Belady") {
   }
 }
 
-TEST_CASE("pager: optimal equals Belady on random schedules, with and without readahead") {
+TEST_CASE(
+    "pager: optimal equals Belady on random schedules, with and without readahead, frames kept or "
+    "not") {
   Fixture fx(9, 43, "pager_rand.bin");
   std::mt19937 rng(1234);
   for (int trial = 0; trial < 40; ++trial) {
@@ -297,9 +299,13 @@ TEST_CASE("pager: optimal equals Belady on random schedules, with and without re
       order.push_back(rng() % 9);
     int k = 1 + static_cast<int>(rng() % 6);
     for (int readahead : {0, 1, 4}) {
-      Pager p(config(k, Policy::optimal, readahead), std::make_shared<HeapFrameAllocator>());
-      fx.register_pages(p);
-      CHECK_EQ(run_schedule(p, fx, order, 2, k * kPage), belady_loads(order, 2, k));
+      for (bool keep : {false, true}) {
+        PagerConfig c = config(k, Policy::optimal, readahead);
+        c.keep_free_frames = keep;  // reusing frames changes no decision
+        Pager p(c, std::make_shared<HeapFrameAllocator>());
+        fx.register_pages(p);
+        CHECK_EQ(run_schedule(p, fx, order, 2, k * kPage), belady_loads(order, 2, k));
+      }
     }
   }
 }
@@ -632,6 +638,90 @@ TEST_CASE("pager: priority classes decide the eviction order first") {
   p.release(3);
   CHECK(p.state(1) == PageState::on_disk);
   CHECK(p.state(0) == PageState::resident);
+}
+
+TEST_CASE("pager: an evicted page's unreferenced frame stays charged and the next read reuses it") {
+  Fixture fx(4, 57, "pager_keep.bin");
+  PagerConfig c = config(2, Policy::lru, 0);
+  c.keep_free_frames = true;
+  Pager p(c, std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  char* d0 = p.acquire(0).data;
+  p.release(0);
+  p.acquire(1);
+  p.release(1);
+  std::uint64_t charged = p.stats().resident_bytes_now;
+  // Page 2 needs room: LRU evicts page 0, whose frame nothing references.
+  Frame f2 = p.acquire(2);
+  CHECK(f2.data == d0);
+  CHECK(fx.frame_ok(f2, 2));
+  VmStat s = p.stats();
+  CHECK_EQ(s.frames_reused, 1u);
+  CHECK_EQ(s.resident_bytes_now, charged);
+  CHECK_EQ(s.free_frame_bytes_now, 0u);
+  // A frame still referenced when its page is evicted is never handed to
+  // another page: page 3 evicts page 2 (LRU), still viewed by `f2`, then
+  // page 1, whose frame it reads into.
+  p.release(2);
+  p.acquire(1);
+  p.release(1);
+  char* d1 = nullptr;
+  {
+    Frame f1 = p.acquire(1);
+    d1 = f1.data;
+    p.release(1);
+  }
+  Frame f3 = p.acquire(3);
+  CHECK(f3.data != f2.data);
+  CHECK(f3.data == d1);
+  CHECK(fx.frame_ok(f3, 3));
+  CHECK(fx.frame_ok(f2, 2));  // untouched while it is viewed
+  CHECK_EQ(p.stats().frames_reused, 2u);
+  CHECK(p.stats().peak_resident_bytes <= 2 * kPage);
+  f2 = Frame{};
+  f3 = Frame{};
+  p.release(3);
+}
+
+TEST_CASE("pager: a kept frame that fits no read is dropped before another page is evicted") {
+  Fixture fx(4, 58, "pager_keep_drop.bin");
+  PagerConfig c = config(3, Policy::lru, 0);
+  c.keep_free_frames = true;
+  Pager p(c, std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  FileId file = p.add_file(fx.path);
+  PageSpec big;  // twice a page: no page's frame fits it
+  big.name = "big";
+  big.frame_bytes = 2 * kPage;
+  big.extents.push_back(Extent{file, 0, 2 * kPage, 2 * kPage, 0});
+  PageId b = p.add_page(std::move(big));
+  for (PageId id : {0, 1, 2}) {
+    p.acquire(id);
+    p.release(id);
+  }
+  // Shrinking evicts page 0 and drops its frame: the budget holds.
+  p.set_budget(2 * kPage);
+  VmStat s = p.stats();
+  CHECK_EQ(s.resident_bytes_now, 2 * kPage);
+  CHECK_EQ(s.free_frame_bytes_now, 0u);
+  p.set_budget(3 * kPage);
+  p.acquire(3);  // room without evicting: a frame of its own
+  p.release(3);
+  p.acquire(0);  // evicts page 1 (LRU) and reads into its frame
+  p.release(0);
+  CHECK_EQ(p.stats().frames_reused, 1u);
+  // The big page evicts page 2, whose frame is dropped (it does not fit),
+  // then page 3: two evictions for two pages of room, not three.
+  Frame fb = p.acquire(b);
+  CHECK(check::matches_pattern(fb.data, 2 * kPage, fx.seed, 0));
+  s = p.stats();
+  CHECK_EQ(s.evictions, 4u);  // 0 (shrink), 1, 2, 3
+  CHECK_EQ(s.frames_reused, 1u);
+  CHECK_EQ(s.resident_bytes_now, 3 * kPage);
+  CHECK_EQ(s.free_frame_bytes_now, 0u);
+  CHECK_EQ(p.drop_free_frames(), 0u);
+  fb = Frame{};
+  p.release(b);
 }
 
 TEST_CASE("pager: lowering the budget evicts down to it") {

@@ -238,6 +238,54 @@ TEST_CASE("tensor_pager: a kept frame a page does not fit is freed before its fr
   CHECK(mx::get_active_memory() <= before);
 }
 
+TEST_CASE(
+    "tensor_pager: a page streamed through one page of budget reads into the last one's frame") {
+  // Two pages of one size, a budget of one: with keep_free_frames each read
+  // lands in the frame the evicted page leaves, once nothing views it (its
+  // lease ended on MLX's last free); never while an array still views it.
+  std::unordered_map<std::string, mx::array> w0 = {{"w", mx::full({512, 512}, 1.0f)}};
+  std::unordered_map<std::string, mx::array> w1 = {{"w", mx::full({512, 512}, 3.0f)}};
+  mx::eval(w0.at("w"), w1.at("w"));
+  std::string p0 = check::temp_dir() + "/reuse0.safetensors";
+  std::string p1 = check::temp_dir() + "/reuse1.safetensors";
+  mx::save_safetensors(p0, w0);
+  mx::save_safetensors(p1, w1);
+  PagerConfig c = cfg(512 * 512 * 4 + 64 * 1024);
+  c.keep_free_frames = true;
+  TensorPager tp(c);
+  PageId a = tp.add_page_in_place("a", from_index(read_safetensors_index(p0)));
+  PageId b = tp.add_page_in_place("b", from_index(read_safetensors_index(p1)));
+  const void* frame_a = nullptr;
+  {
+    NamedArrays got = tp.acquire_leased(a);
+    frame_a = got[0].second.buffer().ptr();
+    CHECK_EQ(mx::sum(got[0].second).item<float>(), 512.0f * 512.0f);
+  }  // the lease ends with the last array
+  {
+    NamedArrays got = tp.acquire_leased(b);  // evicts a, reads into its frame
+    CHECK(got[0].second.buffer().ptr() == frame_a);
+    CHECK_EQ(mx::sum(got[0].second).item<float>(), 3.0f * 512.0f * 512.0f);
+  }
+  CHECK_EQ(tp.pager().stats().frames_reused, 1u);
+  // An array still viewing a page keeps its frame its own.
+  mx::array kept = tp.acquire(a)[0].second;  // into b's frame
+  tp.release(a);
+  CHECK_EQ(tp.pager().stats().frames_reused, 2u);
+  std::thread dropper([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    kept = mx::array(0.0f);
+  });
+  {
+    NamedArrays got = tp.acquire(b);  // waits for `kept` to go, then a frame of its own
+    CHECK_EQ(mx::sum(got[0].second).item<float>(), 3.0f * 512.0f * 512.0f);
+    tp.release(b);
+  }
+  dropper.join();
+  CHECK_EQ(tp.pager().stats().frames_reused, 2u);
+  tp.pager().evict_all();
+  CHECK_EQ(tp.pager().stats().resident_bytes_now, 0u);
+}
+
 TEST_CASE("tensor_pager: pages written to the swap file read back exactly") {
   auto ref = every_dtype();
   std::string swap = check::temp_dir() + "/pages.swap";
