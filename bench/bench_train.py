@@ -17,9 +17,11 @@ length, each configuration in its own process (so peak RSS is its own):
                    placement, whose tail streams its pages, measured at
                    start-up); conservative readahead (MIN reads)
   aggr 50..10%     the same with aggressive readahead (more reads, more overlap)
-  parts 50..10%    where blocks are large enough to page in parts
-                   (--page-parts auto, store.split_block), the 'pager' and
-                   'aggr' rows with each block in parts of ~48 MB
+  pager 100..10%   by default (--page-parts auto) a block is one page where
+                   the page budget holds 2 blocks or more, in parts below
+  whole / parts    the other choice beside it: 'whole X%' where the 'pager'
+                   row paged blocks in parts, 'parts X%' (~48 MB each) where
+                   it paged large blocks whole
   auto 50..10%     the readahead depth and mode simulate.choose_readahead
                    picks from the 'pager' row's measured compute and R (the
                    automatic choice the trainer makes without --readahead)
@@ -298,7 +300,7 @@ def worker_pager(cfg):
         ssd_cache_dir=cfg["cache"],
         readahead_mode=cfg.get("readahead_mode", "conservative"),
         io_threads=IO_THREADS,
-        page_parts=cfg.get("page_parts", 1),
+        page_parts=cfg.get("page_parts", "auto"),
     )
     marks = step_marks_callback()
     res = run(types.SimpleNamespace(**args), marks)
@@ -393,6 +395,10 @@ def measured_accesses(r):
     ]
 
 
+def pages_per_block(r) -> int:
+    return max((len(p) for p in r["block_pages"]), default=1)
+
+
 def settings_label(settings) -> str:
     depth, mode, policy = settings
     if depth == 0:
@@ -420,12 +426,13 @@ def pager_figures(r, R, R_pager, compute):
     min_pages = simulate.min_pages_per_step(acc, fp, r["page_budget"], steps=8, warmup=2)
     if not acc:
         raise RuntimeError(f"{r['report']}: no complete training step was recorded")
+    depth, mode, policy = r["settings"]  # depth in blocks (--readahead)
     pred = simulate.simulate(
         acc,
         fp,
         r["page_budget"],
         simulate.Disk(R_pager, IO_THREADS),
-        simulate.Settings(*r["settings"]),
+        simulate.Settings(depth * pages_per_block(r), mode, policy),
         read_bytes=[page_read] * len(fp),
     )
     return dict(
@@ -546,7 +553,9 @@ def bench_one(name, shape, a, out_dir):
         # weights plus each frame's few KB of alignment), so that 25% of 8
         # equal blocks holds 2 of them, not 2 less their alignment (which is
         # 1). Never below one page: a budget must hold the block in use.
-        return int(1.1 * W) if f == 1 else max(int(f * L * footprint), footprint)
+        # A block in parts is charged each part's alignment: below 100%, at
+        # least one block's worth of them (--page-parts auto splits there).
+        return int(1.1 * W) if f == 1 else max(int(f * L * footprint), footprint + 2 * MAX_PAGE_PARTS * IO_ALIGN)
 
     measure_rate()
     pager_capped = dict(readahead=4, policy="optimal")
@@ -575,47 +584,48 @@ def bench_one(name, shape, a, out_dir):
     for f in fractions:
         go(f"pager {pct(f)}", page_budget=page_budget(f), **pager)
         if f"pager {pct(f)}" in results:
-            footprint = results[f"pager {pct(f)}"]["page_footprint"]
+            # (the largest block as either partition charges it: a block's
+            # whole page may read through gaps its parts skip)
+            footprint = max(footprint, results[f"pager {pct(f)}"]["page_footprint"])
     measure_rate()
     for f in [f for f in fractions if f < 1] if shape.get("aggressive", True) else []:
         go(f"aggr {pct(f)}", page_budget=page_budget(f), readahead_mode="aggressive", **pager)
-    if footprint > 1.5 * PAGE_PART_BYTES:
-        # Blocks large enough to page in parts (--page-parts auto,
-        # store.split_block): the same budgets, side by side.
-        # A block in parts is charged each part's alignment: at least one
-        # block's worth of them.
-        least = footprint + 2 * MAX_PAGE_PARTS * IO_ALIGN
-        for f in [f for f in fractions if f < 1]:
-            b = max(page_budget(f), least)
-            go(f"parts {pct(f)}", page_budget=b, page_parts="auto", **pager)
-            go(
-                f"parts aggr {pct(f)}",
-                page_budget=b,
-                page_parts="auto",
-                readahead_mode="aggressive",
-                **pager,
-            )
+    for f in [f for f in fractions if f < 1]:
+        # The other choice of --page-parts auto, side by side: whole blocks
+        # where the 'pager' row paged them in parts (a budget of fewer than
+        # session.PARTS_BELOW_BLOCKS blocks), and parts where it paged them
+        # whole and they are large (parts of ~48 MB, as split_block by size).
+        r = results.get(f"pager {pct(f)}")
+        if r is None:
+            continue
+        if any(len(p) > 1 for p in r["block_pages"]):
+            go(f"whole {pct(f)}", page_budget=page_budget(f), page_parts=1, **pager)
+        elif footprint > 1.5 * PAGE_PART_BYTES:
+            n = min(MAX_PAGE_PARTS, max(1, round(footprint / PAGE_PART_BYTES)))
+            go(f"parts {pct(f)}", page_budget=page_budget(f), page_parts=n, **pager)
     for f in [f for f in fractions if f < 1]:
         r = results.get(f"pager {pct(f)}")
         if r is None or not want(f"auto {pct(f)}"):
             continue
+        unit = pages_per_block(r)
         chosen = simulate.choose_readahead(
             measured_accesses(r),
             r["page_footprints"],
             r["page_budget"],
             simulate.Disk(statistics.median(own_rates), IO_THREADS),
+            unit=unit,
         )
         s = chosen.settings
         go(
             f"auto {pct(f)}",
             kind="pager",
             page_budget=page_budget(f),
-            readahead=s.readahead,
+            readahead=max(1, round(s.readahead / unit)),
             readahead_mode=s.mode,
             policy=s.policy,
         )
     if shape.get("naive", True):
-        go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru")
+        go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru", page_parts=1)
     measure_rate()
     R, R_pager = max(rates), statistics.median(own_rates)
 

@@ -6,7 +6,10 @@
 // mx::arrays that view the buffer at their offsets: no copy, and the buffer
 // is freed (and the pager's budget credited) when the last view is gone.
 //
-// Recycling: the allocator keeps the last frame freed (one buffer, no longer
+// Recycling, twice. The pager hands the frame of a page it evicts, once no
+// view or lease holds it (unshared), to the read that needed the room
+// (PagerConfig::keep_free_frames: it stays charged). And the allocator keeps
+// the last frame freed (one buffer, no longer
 // charged to the pager's budget) and hands it to the next allocate() it fits,
 // so a page streamed through a small budget lands in memory already mapped.
 // An allocate() it does not fit frees it first. The kept frame is the one

@@ -70,9 +70,9 @@ def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: 
         "--page-parts",
         type=_page_parts,
         default=default(1),
-        help="pages per block: 1 (default) one page per block; 'auto': a block over ~72 MB in parts "
-        "of ~48 MB, so that a page budget of about one block reads one part while computing another "
-        "(faster there; slower with room for several blocks); N: N parts.",
+        help="pages per block: N; 'auto' (lora's default): one page per block where the page budget "
+        "holds 2 blocks or more, else parts of ~48 MB (at least 4), so that the next part is read while "
+        "the last one computes; for generate (default 1), 'auto' splits a block over ~72 MB by size.",
     )
     return g
 

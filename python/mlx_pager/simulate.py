@@ -574,9 +574,10 @@ def best_settings(
     return _pick(preds, mn, max_extra)
 
 
-def candidate_depths(num_pages: int) -> List[int]:
-    """The depths the automatic choice tries: 1, 2, 4, ... and every page."""
-    ds, d = {num_pages}, 1
+def candidate_depths(num_pages: int, unit: int = 1) -> List[int]:
+    """The depths the automatic choice tries: `unit` (a block's pages: the
+    depth counts whole blocks) times 1, 2, 4, ..., and every page."""
+    ds, d = {num_pages}, max(1, unit)
     while d < num_pages:
         ds.add(d)
         d *= 2
@@ -593,16 +594,20 @@ def choose_readahead(
     read_bytes: Optional[Sequence[int]] = None,
     steps: int = 6,
     warmup: int = 2,
+    unit: int = 1,
 ) -> Prediction:
     """The pager's own choice of readahead depth and mode for a step of
     `accesses` (per-block compute as measured) on a disk of measured rate:
-    the fastest of a few candidates (depths 1, 2, 4, ..., all pages; both
-    modes) whose bytes stay within (1 + max_extra) x MIN's. Aggressive mode
-    (reads over MIN) is chosen only where the simulator says it pays."""
+    the fastest of a few candidates (depths of 1, 2, 4, ... blocks of `unit`
+    pages, all pages; both modes) whose bytes stay within (1 + max_extra) x
+    MIN's. Aggressive mode (reads over MIN) is chosen only where the
+    simulator says it pays. (Whole blocks: a shallower depth than a block
+    reads a block's later parts just in time, which the simulator, holding
+    one page per access, sees as overlap it is not.)"""
     n = len({p for a in accesses for p in a.pages})
     preds = [
         simulate(accesses, footprints, budget, disk, s, steps=steps, warmup=warmup, read_bytes=read_bytes)
-        for s in _space(n, candidate_depths(n), (policy,))
+        for s in _space(n, candidate_depths(n, unit), (policy,))
     ]
     return _pick(preds, min_bytes_per_step(accesses, footprints, budget, read_bytes, steps, warmup), max_extra)
 
@@ -717,12 +722,14 @@ def tune_readahead(
     io_threads: int,
     policy: str = "optimal",
     max_extra: Optional[float] = DEFAULT_EXTRA_READS,
+    unit: int = 1,
 ) -> Prediction:
     """Sets the readahead depth and mode of a running `pager` (a
     mlx_pager.Pager) to choose_readahead's choice for a measured step
     (`accesses`, e.g. from accesses_from_marks) at read rate `rate`
-    (bytes/s, e.g. read_rate_for_session). Returns the chosen prediction."""
-    chosen = choose_readahead(accesses, footprints, page_budget, Disk(rate, io_threads), policy, max_extra)
+    (bytes/s, e.g. read_rate_for_session), depths in blocks of `unit` pages.
+    Returns the chosen prediction."""
+    chosen = choose_readahead(accesses, footprints, page_budget, Disk(rate, io_threads), policy, max_extra, unit=unit)
     pager.set_readahead(chosen.settings.readahead)
     pager.set_readahead_mode(chosen.settings.mode)
     return chosen
@@ -815,12 +822,22 @@ class AutoReadahead:
             if getattr(s.weights, "swap_path", None):
                 files.insert(0, Path(s.weights.swap_path))
             self.rate = read_rate_for_session(files, max(s.page_footprints), s.args.io_threads)
+        unit = max((len(p) for p in s.block_pages), default=1)
         self.chosen = tune_readahead(
-            pager, acc, s.page_footprints, budget, self.rate, s.args.io_threads, s.args.policy, self.max_extra
+            pager,
+            acc,
+            s.page_footprints,
+            budget,
+            self.rate,
+            s.args.io_threads,
+            s.args.policy,
+            self.max_extra,
+            unit=unit,
         )
         if self.say is not None:
             p = self.chosen
+            depth = p.settings.readahead / unit
             self.say(
-                f"Readahead: {p.settings.readahead} pages, {p.settings.mode} (predicted {p.step_s:.2f}s/step, "
+                f"Readahead: {depth:g} blocks, {p.settings.mode} (predicted {p.step_s:.2f}s/step, "
                 f"{p.bytes_read / 1e9:.2f}GB read/step at {self.rate / 1e9:.2f}GB/s)"
             )

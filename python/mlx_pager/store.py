@@ -62,7 +62,7 @@ def placeholder(shape, dtype) -> mx.array:
     return mx.broadcast_to(mx.zeros((), dtype=dtype), shape)
 
 
-def _block_prefixes(model: nn.Module) -> List[str]:
+def block_prefixes(model: nn.Module) -> List[str]:
     """Each block's parameter path (e.g. model.layers.3), found where the
     forward pass reaches the blocks (layers.BlockList), whatever model.layers
     returns. Raises NotPageable for blocks that cannot be pages of their own."""
@@ -207,7 +207,7 @@ class PagedWeights:
         modules = dict(model.named_modules())
         params = dict(tree_flatten(model.parameters()))
         trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
-        prefixes = _block_prefixes(model)
+        prefixes = block_prefixes(model)
         groups: List[Tuple[str, List[str]]] = []
         claimed = set()
         for i, prefix in enumerate(prefixes):
@@ -441,6 +441,11 @@ class PagedWeights:
     def max_page_bytes(self) -> int:
         """The largest block's bytes (a block is bound whole: all its pages)."""
         return max(self.page_bytes(i) for i in range(self.num_blocks))
+
+    @property
+    def pages_per_block(self) -> int:
+        """The most pages a block has (a readahead depth of one block)."""
+        return max((len(p) for p in self.block_pages), default=1)
 
     @property
     def max_block_footprint(self) -> int:

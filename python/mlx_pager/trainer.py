@@ -76,7 +76,7 @@ DEFAULTS = {
     "readahead": None,  # None: chosen from the measured step (simulate.AutoReadahead)
     "readahead_mode": "conservative",
     "io_threads": 4,
-    "page_parts": 1,  # pages per block; "auto": by size (store.split_block)
+    "page_parts": "auto",  # pages per block; "auto": by the page budget (session.page_parts)
     "direct_io": True,
     "head_chunk_bytes": 64 << 20,
     "report": None,

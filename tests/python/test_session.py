@@ -52,3 +52,62 @@ def test_minimum_budget_does_not_depend_on_writing_the_swap_file(models, tmp_pat
     assert any(cache.rglob("*.swap"))
     warm = minimum(model, tmp_path, cache)  # reuses it
     assert abs(fresh - warm) <= 0.02 * warm, (fresh, warm)
+
+
+def test_page_parts_auto_splits_blocks_only_below_a_few_blocks_of_budget():
+    from mlx_pager.session import AUTO_MIN_PARTS, PARTS_BELOW_BLOCKS, page_parts
+    from mlx_pager.store import MAX_PAGE_PARTS, PAGE_PART_BYTES
+
+    blocks = [100 << 20] * 6
+    assert page_parts(3, blocks, 1) == 3  # a number is taken as given
+    assert page_parts("auto", blocks, None) == 1  # budget unknown: whole
+    assert page_parts("auto", blocks, PARTS_BELOW_BLOCKS * (100 << 20)) == 1
+    assert page_parts("auto", blocks, PARTS_BELOW_BLOCKS * (100 << 20) - 1) == AUTO_MIN_PARTS
+    big = [20 * PAGE_PART_BYTES]
+    assert page_parts("auto", big, big[0]) == MAX_PAGE_PARTS  # ~48 MB each, at most 8
+    assert page_parts("auto", [], 1) == 1
+
+
+def run_one_step(model, tmp_path, name, **kw):
+    import types
+
+    from mlx_pager.trainer import DEFAULTS, run
+
+    args = dict(
+        DEFAULTS,
+        train=True,
+        model=str(model),
+        data=str(SAMPLE),
+        iters=1,
+        batch_size=1,
+        num_layers=2,
+        max_seq_length=64,
+        steps_per_report=1,
+        steps_per_eval=10**9,
+        save_every=10**9,
+        val_batches=1,
+        seed=0,
+        adapter_path=str(tmp_path / name),
+        ssd_cache_dir=str(tmp_path / "cache"),
+        quiet=True,
+    )
+    args.update(kw)
+    return run(types.SimpleNamespace(**args))
+
+
+def test_page_parts_auto_follows_the_planned_page_budget(models, tmp_path):
+    """--page-parts auto (the default): whole blocks where the budget holds
+    several, parts where it holds about one; the step's math is the same."""
+    from mlx_pager._core import IO_ALIGN
+    from mlx_pager.session import PARTS_BELOW_BLOCKS
+    from mlx_pager.store import MAX_PAGE_PARTS
+
+    model = models("llama", None, hidden_size=256, intermediate_size=1024, num_hidden_layers=4)
+    roomy = run_one_step(model, tmp_path, "roomy", memory_budget="4GB")
+    assert all(len(p) == 1 for p in roomy.block_pages)
+    block = max(roomy.page_footprints)
+    tight = run_one_step(model, tmp_path, "tight", page_budget=block + 2 * MAX_PAGE_PARTS * IO_ALIGN)
+    assert all(len(p) > 1 for p in tight.block_pages), tight.block_pages
+    assert tight.train_losses == roomy.train_losses
+    enough = run_one_step(model, tmp_path, "enough", page_budget=PARTS_BELOW_BLOCKS * block)
+    assert all(len(p) == 1 for p in enough.block_pages)
