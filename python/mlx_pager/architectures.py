@@ -655,6 +655,7 @@ def compare(
     batch=None,
     head_chunk_bytes: int = 20_000,
     compile: bool = False,
+    page_parts: int = 1,
 ) -> List[str]:
     """Runs mlx-lm's step and the paged step on the same batch; returns the
     differences (empty: bitwise equal). Raises NotPageable (or ValueError)
@@ -676,7 +677,7 @@ def compare(
         mx.eval(loss, grads)
     except Exception as e:
         raise MlxLmFails(_one_line(e)) from e
-    model, w = paged(path, num_layers, store, cache_dir)
+    model, w = paged(path, num_layers, store, cache_dir, page_parts=page_parts)
     losses, toks, pgrads = S.paged_value_and_grad(
         model,
         w,
@@ -853,8 +854,10 @@ EXCLUDED = {
 }
 
 
-def check(model_type: str, dtype: str, root, compile: bool = False) -> Result:
-    """Builds and checks one architecture in one dtype."""
+def check(model_type: str, dtype: str, root, compile: bool = False, page_parts: int = 1) -> Result:
+    """Builds and checks one architecture in one dtype, each block in at
+    most `page_parts` pages (a forward block of several is read lazily,
+    part by part: what --page-parts auto does at a small budget)."""
     from .layers import NotPageable
 
     t0 = time.perf_counter()
@@ -876,7 +879,7 @@ def check(model_type: str, dtype: str, root, compile: bool = False) -> Result:
     try:
         # store="auto": pages holding tensors the model's sanitize changes
         # (not the files' bytes) go through the swap file.
-        bad = compare(path, store="auto", cache_dir=str(Path(root) / "swap"), compile=compile)
+        bad = compare(path, store="auto", cache_dir=str(Path(root) / "swap"), compile=compile, page_parts=page_parts)
     except MlxLmFails as e:
         return done("cannot build", f"mlx-lm's own LoRA step fails: {e}")
     except NotPageable as e:

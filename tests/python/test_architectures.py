@@ -41,6 +41,16 @@ def test_architecture_is_paged_bitwise(arch_root, model_type, dtype):
     pytest.fail(f"{model_type} {dtype}: {r.reason}")
 
 
+@pytest.mark.parametrize("model_type", [mt for mt in A.model_types() if A.RECORDED.get(mt, {}).get("bf16") == "pass"])
+def test_architecture_in_parts_is_paged_bitwise(arch_root, model_type):
+    """Each block in up to 3 pages (what --page-parts auto does at a small
+    budget: a forward block's parts read lazily inside its graph), bf16:
+    every architecture recorded as passing whole passes in parts."""
+    r = A.check(model_type, "bf16", arch_root, page_parts=3)
+    mx.clear_cache()
+    assert r.status == "pass", f"{model_type} bf16 in parts: {r.status}: {r.reason}"
+
+
 def test_every_recorded_pass_is_still_an_architecture():
     """A recorded pass cannot silently drop out of the matrix."""
     gone = [mt for mt, d in A.RECORDED.items() if "pass" in d.values() and mt not in A.model_types()]
