@@ -622,7 +622,8 @@ def open_session(
         f"Model: {len(model.layers)} blocks, {format_size(weights.paged_bytes)} paged "
         f"({'/'.join(sorted(set(weights.store_kind)))}), "
         f"{format_size(weights.resident_bytes)} resident. Budget {format_size(plan.budget)}: "
-        f"pages {format_size(gov.page_budget)} (~{gov.page_budget / plan.max_page:.1f} blocks), "
+        f"pages {format_size(gov.page_budget)} (~{gov.page_budget / plan.max_page:.1f} blocks"
+        f"{f', each in {weights.pages_per_block} parts' if weights.pages_per_block > 1 else ''}), "
         f"activations {format_size(plan.activations)} ({placement.describe(session.placement, L)}), "
         f"fixed {format_size(plan.fixed_without_activations)}."
     )
