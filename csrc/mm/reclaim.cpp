@@ -1,6 +1,7 @@
 // reclaim.cpp: victim selection, and the pager's make-room/evict paths.
 #include "mm/reclaim.h"
 
+#include <atomic>
 #include <chrono>
 #include <stdexcept>
 
@@ -86,6 +87,10 @@ void Pager::evict_locked(const Lock& lock, PageId id) {
   MLX_PAGER_ASSERT(e.state == PageState::resident && e.refs == 0 && !e.pinned);
   std::uint64_t charged = e.charged;
   if (config_.keep_free_frames && allocator_->unshared(e.frame)) {
+    // unshared() reads a use count (a relaxed load): order the last holder's
+    // accesses to the memory before the next read writes into it, as the
+    // deleter's decrement would have.
+    std::atomic_thread_fence(std::memory_order_acquire);
     free_frame_bytes_ += charged;
     free_frames_.push_back(FreeFrame{std::move(e.frame), charged});
   } else {

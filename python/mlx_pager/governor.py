@@ -171,12 +171,15 @@ class Governor:
         limit = self.plan.budget - self.margin
         if rss <= limit:
             return
-        drop_kept = getattr(self.pager, "drop_kept_frame", None)
-        if drop_kept is not None:
-            drop_kept()  # the frame kept for the next read goes with MLX's cache
+        # Evicted pages' frames kept for the next reads, then the one frame
+        # MLX's allocator keeps (the last of them lands there), go with MLX's
+        # cache.
         drop_free = getattr(self.pager, "drop_free_frames", None)
         if drop_free is not None:
-            drop_free()  # so do evicted pages' frames kept for the next reads
+            drop_free()
+        drop_kept = getattr(self.pager, "drop_kept_frame", None)
+        if drop_kept is not None:
+            drop_kept()
         mx.clear_cache()
         rss = process_rss()
         if rss <= limit:
