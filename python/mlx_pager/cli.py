@@ -257,7 +257,10 @@ time scale with --layers x --hidden-size^2.""",
     within = "within" if res.peak_rss <= res.plan.budget else "OVER"
     print(f"  peak process RSS   {format_size(res.peak_rss):>10}   ({within} budget)")
     print(f"  peak paged memory  {format_size(s['peak_resident_bytes']):>10}")
-    print(f"  pages read         {s['pages_read']:>10}   ({s['faults']} faults, {s['readahead_hits']} readahead hits)")
+    print(
+        f"  pages read         {s['pages_read']:>10}   ({s['faults']} faults, {s['readahead_hits']} readahead hits, "
+        f"{s.get('frames_reused', 0)} into a reused frame)"
+    )
     per_step = f"{format_size(per_step_read)} per step after the first"
     print(f"  bytes read         {format_size(s['bytes_read']):>10}   ({per_step})")
     print(f"  step time          {step_s:>9.2f}s   (median; I/O wait {sum(x['io_wait_s'] for x in steps):.2f}s in all)")
