@@ -460,9 +460,7 @@ def load_paged(
         page_parts=page_parts,
     )
     # `readahead` counts blocks; the pager counts pages.
-    weights.pager.set_readahead(
-        L * weights.pages_per_block if readahead is None else readahead * weights.pages_per_block
-    )
+    weights.pager.set_readahead((L if readahead is None else readahead) * weights.pages_per_block)
     if adapter_path is not None:
         load_adapters(model, str(adapter_path))  # mlx-lm's own: LoRA/DoRA layers + weights
     model.eval()

@@ -368,20 +368,20 @@ def frozen_block_bytes(model: nn.Module) -> Tuple[List[int], int]:
     return blocks, sum(frozen.values()) - sum(blocks)
 
 
-def estimated_page_budget(args, model, config, seq_len: int, baseline: int) -> Optional[int]:
+def estimated_page_budget(args, model, config, seq_len: int, baseline: int, outside: int) -> Optional[int]:
     """The page budget open_session will plan, estimated before the pages
     are registered (to choose --page-parts auto): --page-budget as given;
     else the memory budget less the process, the pinned page, the slack,
     the margin and one recomputed block's activations by the formula
     (estimate_sizes: it over-estimates, so a borderline budget pages in
-    parts). None where the budget is not readable (open_session says why)."""
+    parts; `outside`: frozen_block_bytes' second figure). None where the
+    budget is not readable (open_session says why)."""
     if args.page_budget is not None:
         return int(args.page_budget)
     try:
         budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
     except BudgetError:
         return None
-    blocks, outside = frozen_block_bytes(model)
     params = [v for _, v in tree_flatten(model.parameters())]
     largest = max((int(np.prod(v.shape)) for v in params), default=0)
     floating = [v.dtype for v in params if mx.issubdtype(v.dtype, mx.floating)]
@@ -494,10 +494,11 @@ def open_session(
     baseline = process_rss()
     seq_len = longest_batch(args.max_seq_length, datasets)
     parts_arg = getattr(args, "page_parts", 1)
-    parts = page_parts(parts_arg)
     if parts_arg == "auto":
-        blocks, _ = frozen_block_bytes(model)
-        parts = page_parts(parts_arg, blocks, estimated_page_budget(args, model, config, seq_len, baseline))
+        blocks, outside = frozen_block_bytes(model)
+        parts = page_parts("auto", blocks, estimated_page_budget(args, model, config, seq_len, baseline, outside))
+    else:
+        parts = page_parts(parts_arg)
     weights = PagedWeights(
         model,
         model_path,

@@ -822,7 +822,7 @@ class AutoReadahead:
             if getattr(s.weights, "swap_path", None):
                 files.insert(0, Path(s.weights.swap_path))
             self.rate = read_rate_for_session(files, max(s.page_footprints), s.args.io_threads)
-        unit = max((len(p) for p in s.block_pages), default=1)
+        unit = s.weights.pages_per_block
         self.chosen = tune_readahead(
             pager,
             acc,
