@@ -277,6 +277,7 @@ def step_marks_callback():
         def on_step(self, record):
             if self.steps and self.pager is not None:
                 self.steps[-1]["end"] = [time.perf_counter(), waited(self.pager.stats())]
+                self.steps[-1]["held"] = bool(record.get("tail_held"))
 
     return StepMarks()
 
@@ -380,7 +381,12 @@ def measured_accesses(r):
         marks = [simulate.BlockMark(*m) for m in st["marks"]]
         per_step.append(
             simulate.accesses_from_marks(
-                marks, tuple(st["start"]), tuple(st["end"]), r["block_pages"], r["tail_back_pages"]
+                marks,
+                tuple(st["start"]),
+                tuple(st["end"]),
+                r["block_pages"],
+                r["tail_back_pages"],
+                st.get("held", False),
             )
         )
     if not per_step:

@@ -197,6 +197,7 @@ def _value_and_grad(s: Session, group, on_block, it: int):
                 probe=probe,
                 spill=s.spill,
                 spilled=p.spilled,
+                hold_tail=s.tail_hold(),
             )
             break
         except MemoryPressure as e:
@@ -385,6 +386,7 @@ def train(
                 "step_peak_rss_bytes": step_peak,  # of this step (the kernel's high-water mark)
                 # The placement this step ran with, and the peak it predicted.
                 "tail_start": probe["placement"].tail_start,
+                "tail_held": bool(probe.get("tail_held", False)),
                 "recomputed_blocks": probe["placement"].recomputed,
                 "batch_parts": probe["placement"].parts,
                 "spilled_blocks": probe["placement"].spilled,

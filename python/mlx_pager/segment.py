@@ -97,18 +97,56 @@ def tail_value_and_grad(
 
 
 class Tail:
-    """Runs tail_value_and_grad. Not compiled: on MLX's CPU backend
-    mx.compile generates and builds C++ for a graph the first time it sees
-    its shapes, and a whole tail's graph (every tail block's forward and
-    backward and the head) made the compiler itself take minutes and
-    hundreds of MB (measured under a 450 MB cgroup cap), for no measured
-    gain in step time (2.45 s uncompiled vs 2.6 s compiled, 8 blocks)."""
+    """Runs tail_value_and_grad, streamed or held.
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    Streamed (the tail's pages do not fit together in the page budget), the
+    vjp runs uncompiled: its frozen weights are lazy page reads and custom
+    functions (stream.py), which a compiled graph would not fuse, and on
+    MLX's CPU backend compiling a whole streamed tail made the compiler
+    itself take minutes and hundreds of MB (measured under a 450 MB cgroup
+    cap) for no gain (2.45 s uncompiled vs 2.6 s compiled, 8 blocks).
+
+    Held (the pages fit together: step.py binds them for the tail, as
+    ordinary arrays), the vjp runs under mx.compile, with the model's
+    state as the compiled function's inputs, as mlx-lm compiles its step:
+    elementwise ops fuse across the forward and the backward. This is the
+    step with nothing to page, and the fusion is what separated it from
+    mlx-lm's (bench compute shape at 100%: 1.93 s compiled against 2.05 s
+    uncompiled, mlx-lm 2.00 s, same bits). A tail with active dropout runs
+    uncompiled (a compiled graph would freeze its keys), and so does a tail
+    mx.compile cannot trace (dbrx's router evaluates arrays inside a
+    block): the failure is remembered (``uncompiled``)."""
+
+    def __init__(self, model: nn.Module, compile: bool = True):
+        self.model, self.compile = model, compile
+        self._fns: Dict[tuple, object] = {}
+        self.uncompiled: Optional[str] = None  # why mx.compile failed
 
     def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
-        return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
+        if stream is not None or not self.compile or self.uncompiled is not None:
+            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
+        if any(k is not None for k in keys[start:]):
+            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes)
+        fn = self._fns.get((start, chunk_bytes))
+        if fn is None:
+            model = self.model
+
+            def held(h, inputs, targets, mask, norm, calls):
+                m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm)
+                return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes)
+
+            fn = self._fns[(start, chunk_bytes)] = mx.compile(held, inputs=[model.state])
+        before = self.model.parameters()
+        try:
+            return fn(h, mb.inputs, mb.targets, mb.mask, mb.norm, mb.calls)
+        except Exception as e:
+            self.model.update(before)  # a failed trace may leave tracers in the model
+            # A trace that fails fails before running anything; running the
+            # tail uncompiled raises any error of its own again.
+            text = str(e).strip()
+            self.uncompiled = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+            self._fns.clear()
+            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes)
 
 
 def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, chunk_bytes: int) -> int:

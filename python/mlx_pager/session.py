@@ -121,6 +121,7 @@ class Session:
     # Per step: what the plan's slack had to hold (learn_peak).
     slack_needed: List[int] = field(default_factory=list)
     last_shapes: Optional[list] = None  # the micro-batch shapes of the last step (loop.py)
+    held: Optional[bool] = None  # the schedule's tail is held (step.holds_tail), not streamed
 
     def memory_now(self) -> dict:
         """Checkpoints held in memory and on the SSD now (memory traces)."""
@@ -143,6 +144,7 @@ class Session:
         spilled block's checkpoint pages after its own page in the backward
         sweep (the order step.py acquires them in)."""
         slots = self.shape.micro_batches(self.parts)
+        self.held = self.holds_tail()
         spilled = range(self.first_trained, self.first_trained + (self.placement.spilled if self.placement else 0))
         ids = step.step_pages(
             self.weights,
@@ -150,8 +152,21 @@ class Session:
             self.tail_start,
             slots,
             lambda i: self.spill.page_ids(i, slots) if i in spilled and self.spill is not None else [],
+            held=self.held,
         )
         self.weights.pager.set_schedule(ids)
+
+    def holds_tail(self) -> bool:
+        """Whether the placement's tail fits the page budget now, so that a
+        step holds its pages rather than streaming them (step.holds_tail)."""
+        return step.holds_tail(self.weights, self.tail_start, self.gov.page_budget)
+
+    def tail_hold(self) -> bool:
+        """holds_tail() for the step about to run; the pager's schedule
+        follows when it changed (the governor moved the page budget)."""
+        if self.holds_tail() != self.held:
+            self.use_step_schedule()
+        return self.held
 
     def spill_store(self, p: "placement.Placement"):
         """The activation swap file for placement `p` (None: it spills

@@ -631,6 +631,7 @@ def accesses_from_marks(
     end: Tuple[float, float],
     block_pages: Sequence[Sequence[int]],
     tail_back_pages: Optional[Sequence[Sequence[int]]] = None,
+    held: bool = False,
 ) -> List[Access]:
     """The accesses of one measured step, with their compute: each block's
     time since the previous mark less the pager's waits in between. `start`
@@ -638,7 +639,8 @@ def accesses_from_marks(
     update); `block_pages[i]`: block i's pages (a bare page id: its one
     page), in use order; `tail_back_pages[i]`: those a streamed tail reads
     again for block i's backward, in that order (default: block i's pages
-    in reverse).
+    in reverse); `held`: the tail held its pages instead (step.holds_tail,
+    the step record's tail_held).
 
     A block bound whole (the backward sweep, a one-page block) is one access
     of its pages; a block whose pages are lazy reads (a forward block of
@@ -671,6 +673,12 @@ def accesses_from_marks(
         last = g[-1]
         busy = max(0.0, (last.t - t_prev) - (last.wait_s - w_prev))
         t_prev, w_prev = last.t, last.wait_s
+        if g[0].phase == "tail" and held:
+            # A held tail (step.holds_tail): its blocks' pages bound together
+            # for the whole of its one graph.
+            out.append(Access(pages=tuple(p for b in sorted(m.block for m in g) for p in pages_of[b]), hold_s=busy))
+            phases.append("tail")
+            continue
         if g[0].phase == "tail":
             # The tail streams its pages (stream.py): each block read for its
             # forward, then again, in reverse, for its backward (about twice
@@ -811,7 +819,9 @@ class AutoReadahead:
             return
         pager = s.weights.pager
         end = (time.perf_counter(), self._waited(pager.stats()))
-        acc = accesses_from_marks(self._marks, start, end, s.block_pages, s.tail_back_pages)
+        acc = accesses_from_marks(
+            self._marks, start, end, s.block_pages, s.tail_back_pages, bool(record.get("tail_held"))
+        )
         budget = int(s.gov.page_budget)
         key = (budget, tuple(a.pages for a in acc))
         if key == self._key:

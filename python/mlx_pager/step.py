@@ -432,7 +432,7 @@ class Blocks:
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
-        self.tail = Tail(model)  # the no-recompute tail segment (segment.py)
+        self.tail = Tail(model, compile)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
         """fn(*args) compiled; None when the block cannot be compiled (the
@@ -524,14 +524,34 @@ def first_trained_block(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def step_pages(weights, first_trained: int, tail_start: Optional[int], micro_batches: int = 1, after=None) -> List[int]:
+def holds_tail(weights, tail_start: int, page_budget: int) -> bool:
+    """Whether a tail segment starting at `tail_start` is held: bound for
+    the tail's duration (ordinary arrays, one read per step, a compiled
+    vjp: segment.Tail) rather than streamed (stream.py). It is where
+    `page_budget` holds the tail's pages together and, beside them, the
+    largest other block: then the pages stay resident from one step to the
+    next whichever way the tail runs (MIN keeps them; the other blocks
+    stream through the rest), so holding them reads nothing more. With less
+    room a held tail would evict its own pages for the blocks below it and
+    read them again, all at once, before its graph could start."""
+    L = weights.num_blocks
+    if tail_start >= L:
+        return False
+    other = max((weights.block_footprint(i) for i in range(tail_start)), default=0)
+    return sum(weights.block_footprint(i) for i in range(tail_start, L)) + other <= page_budget
+
+
+def step_pages(
+    weights, first_trained: int, tail_start: Optional[int], micro_batches: int = 1, after=None, held: bool = False
+) -> List[int]:
     """The page ids of one training step in the order it acquires them:
     forward, then backward down to the first trained block, each block's
     pages in order. With a tail segment starting at s, blocks s..L-1 are
     read forward then backward (streamed, stream.py: the pages
-    backward_pages names) once per micro-batch, and the backward sweep
-    below starts at s-1. `after(i)`: pages acquired right after block i's
-    in the backward sweep (its spilled checkpoints)."""
+    backward_pages names) once per micro-batch, or, `held` (holds_tail),
+    bound once for all micro-batches; the backward sweep below starts at
+    s-1. `after(i)`: pages acquired right after block i's in the backward
+    sweep (its spilled checkpoints)."""
     from .stream import backward_pages
 
     L = weights.num_blocks
@@ -539,8 +559,11 @@ def step_pages(weights, first_trained: int, tail_start: Optional[int], micro_bat
     pages = weights.block_pages
     ids = [p for i in range(s) for p in pages[i]]
     tail = [p for i in range(s, L) for p in pages[i]]
-    tail += [p for i in range(L - 1, s - 1, -1) for p in backward_pages(weights, i)]
-    ids += tail * micro_batches
+    if held:
+        ids += tail
+    else:
+        tail += [p for i in range(L - 1, s - 1, -1) for p in backward_pages(weights, i)]
+        ids += tail * micro_batches
     for i in range(s - 1, first_trained - 1, -1):
         ids += pages[i]
         ids += list(after(i)) if after is not None else []
@@ -568,6 +591,7 @@ def paged_value_and_grad(
     probe: Optional[dict] = None,
     spill=None,
     spilled: int = 0,
+    hold_tail: bool = False,
 ) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
     """Losses and token counts per micro-batch, and the SUM over micro-batches
     of the adapter gradients, as a flat {model parameter path: grad} dict.
@@ -576,7 +600,8 @@ def paged_value_and_grad(
     block (for the memory governor and progress reports); `blocks` keeps the
     compiled block functions from one step to the next. `tail_start` = s:
     blocks s..L-1 and the head run as one segment, forward and backward in
-    one vjp with their pages bound together, no recompute (segment.py);
+    one vjp, no recompute (segment.py), its pages streamed (stream.py) or,
+    `hold_tail` (holds_tail), bound together for the tail's duration;
     None or L: every trained block is checkpointed and recomputed.
     `spill` (a spill.SpillStore) and `spilled` = k: the checkpoints of the
     recomputed blocks first..first+k-1 go to the SSD after the forward
@@ -590,7 +615,8 @@ def paged_value_and_grad(
                over the memory active before it;
       "tail":  (bytes, blocks, rows, length) of the tail segment's vjp on
                the first micro-batch, likewise;
-      "peak":  MLX's peak memory over the step.
+      "peak":  MLX's peak memory over the step;
+      "tail_held": whether the tail's pages were held (not streamed).
     """
     L = len(model.layers)
     first = first_trained_block(model)
@@ -658,8 +684,15 @@ def paged_value_and_grad(
 
     losses, ntoks, cots = [], [], []
     if s_tail < L:
-        # The tail: blocks s..L-1 and the head in one graph per micro-batch.
-        with Stream(weights, range(s_tail, L)).bound() as streamed:
+        # The tail: blocks s..L-1 and the head in one graph per micro-batch,
+        # its pages bound for all of them, or streamed through each. (Held
+        # only if the pages still fit: the governor may have lowered the
+        # page budget since the step began.)
+        st = weights.pager.stats()
+        held = hold_tail and holds_tail(weights, s_tail, int(weights.pager.budget) - int(st["pinned_bytes"]))
+        if probe is not None:
+            probe["tail_held"] = held
+        with weights.bound(*range(s_tail, L)) if held else Stream(weights, range(s_tail, L)).bound() as streamed:
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None

@@ -298,6 +298,24 @@ def test_accesses_of_blocks_in_several_pages():
     assert acc[7].hold_s == pytest.approx(2.0)
 
 
+def test_a_held_tail_is_one_access_of_all_its_pages():
+    """A held tail (step.holds_tail, the step record's tail_held) binds its
+    blocks' pages together for its one graph: one access of all of them, in
+    block order, holding the tail's whole time; the head is inside it, so
+    the first backward block below keeps its own time."""
+    M = sim.BlockMark
+    marks = [
+        M("forward", 0, 1.0, 0.0),
+        M("tail", 2, 4.0, 0.0),
+        M("tail", 1, 4.0, 0.0),
+        M("backward", 0, 6.0, 0.0),
+    ]
+    acc = sim.accesses_from_marks(marks, (0.0, 0.0), (6.0, 0.0), [(0, 1), (2, 3), 4], held=True)
+    assert [a.pages for a in acc] == [(0,), (1,), (2, 3, 4), (0, 1)]
+    assert acc[2].hold_s == pytest.approx(3.0) and acc[2].gap_s == 0
+    assert acc[3].hold_s == pytest.approx(2.0) and acc[3].gap_s == 0
+
+
 def test_head_time_goes_to_the_first_backward_block_gap():
     M = sim.BlockMark
     marks = [M("forward", 0, 1.0, 0), M("forward", 1, 2.0, 0), M("backward", 1, 5.5, 0), M("backward", 0, 8.0, 0)]

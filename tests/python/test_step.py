@@ -182,6 +182,95 @@ def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, b
         assert w.pager.stats()["acquires"] - before == sweep + tail + below, s
 
 
+@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
+def test_a_held_tail_is_compiled_and_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, bits):
+    """Where the tail's pages fit the page budget together (holds_tail), the
+    tail holds them, bound once for both micro-batches, and its vjp runs
+    under mx.compile (segment.Tail): the same bits as default_loss, and each
+    tail page acquired once per step, not forward and backward per
+    micro-batch."""
+    path = models(arch, bits)
+    bs = batches(path, 2)
+    ref = reference(path, 3)
+    vg = nn.value_and_grad(ref, default_loss)
+    total, ref_losses = None, []
+    for b in bs:
+        (l, _), g = vg(ref, *b)
+        mx.eval(l, g)
+        ref_losses.append(l.item())
+        flat = dict(tree_flatten(g))
+        total = flat if total is None else {k: total[k] + flat[k] for k in flat}
+    model, w = paged(path, 3, "in_place", tmp_path)
+    L = len(model.layers)
+    blocks = S.Blocks(model)
+    for s in range(L - 3, L):
+        need = sum(w.block_footprint(i) for i in range(s, L)) + max(w.block_footprint(i) for i in range(s))
+        assert S.holds_tail(w, s, need) and not S.holds_tail(w, s, need - 1)
+        before = w.pager.stats()["acquires"]
+        probe = {}
+        losses, _, grads = S.paged_value_and_grad(
+            model,
+            w,
+            [S.MicroBatch.from_batch(*b) for b in bs],
+            head_chunk_bytes=20_000,
+            tail_start=s,
+            blocks=blocks,
+            hold_tail=True,
+            probe=probe,
+        )
+        assert probe["tail_held"], s
+        assert [x.item() for x in losses] == ref_losses, s
+        assert_bitwise(total, grads)
+        sweep, tail, below = s, L - s, s - (L - 3)
+        assert w.pager.stats()["acquires"] - before == sweep + tail + below, s
+        assert S.step_pages(w, L - 3, s, 2, held=True) == [
+            p for i in [*range(L), *range(s - 1, L - 4, -1)] for p in w.block_pages[i]
+        ]
+    assert blocks.tail.uncompiled is None and len(blocks.tail._fns) == 3
+
+
+def test_a_held_tail_falls_back_to_streaming_when_the_budget_shrank(models, tmp_path):
+    """hold_tail asks, the page budget decides: a budget lowered below the
+    tail's pages (the governor, between the step's start and its tail)
+    streams the tail, with the same bits."""
+    path = models("llama", None)
+    (batch,) = batches(path, 1)
+    ref = reference(path, 2)
+    (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+    mx.eval(loss, grads)
+    model, w = paged(path, 2, "in_place", tmp_path)
+    L = len(model.layers)
+    w.pager.set_budget(w.pager.stats()["pinned_bytes"] + max(w.block_footprint(i) for i in range(L)))
+    probe = {}
+    losses, _, pgrads = S.paged_value_and_grad(
+        model, w, [S.MicroBatch.from_batch(*batch)], tail_start=L - 2, hold_tail=True, probe=probe
+    )
+    assert probe["tail_held"] is False
+    assert losses[0].item() == loss.item()
+    assert_bitwise(grads, pgrads)
+
+
+def test_a_held_tail_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
+    """dbrx's router evaluates arrays inside a block: the held tail's trace
+    fails, segment.Tail remembers why and runs it uncompiled, with mlx-lm's
+    results bit for bit (and the model's arrays as they were)."""
+    path = A.build("dbrx", "4bit", tmp_path)
+    batch = A.sample_batch(path)
+    ref = A.reference(path, 2)
+    (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+    mx.eval(loss, grads)
+    model, w = A.paged(path, 2, "auto", str(tmp_path / "swap"))
+    blocks = S.Blocks(model)
+    L = len(model.layers)
+    for _ in range(2):
+        losses, _, pgrads = S.paged_value_and_grad(
+            model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=L - 2, hold_tail=True
+        )
+        assert blocks.tail.uncompiled and "eval" in blocks.tail.uncompiled
+        assert losses[0].item() == loss.item()
+        assert_bitwise(grads, pgrads)
+
+
 @pytest.mark.parametrize(
     "arch, bits, dora, pages",
     [("llama", None, False, 2), ("qwen3", 4, False, 2), ("llama", None, True, 2), ("llama", None, False, 1)],
