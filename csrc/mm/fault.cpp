@@ -13,6 +13,9 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <optional>
+#include <unordered_map>
 #include <utility>
 
 #include "mm/bug.h"
@@ -235,6 +238,27 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   submit_read_locked(lock, id, urgent);
 }
 
+namespace {
+
+// A checked page's checksum ranges where its read puts their bytes: a range
+// the plan moves after the read (layout.h) at the move's source.
+std::vector<FrameRange> ranges_as_read(const PageSpec& spec) {
+  std::unordered_map<std::uint64_t, const FrameMove*> moved;  // by destination
+  for (const FrameMove& m : spec.moves) {
+    moved[m.to] = &m;
+  }
+  std::vector<FrameRange> out = spec.verify;
+  for (FrameRange& r : out) {
+    auto it = moved.find(r.offset);
+    if (it != moved.end() && it->second->length == r.length) {
+      r.offset = it->second->from;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
@@ -250,6 +274,16 @@ void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
   if (!urgent) {
     ++stat_.readahead_reads;
   }
+  // A checked page is hashed as its chunks land (landing_checksum.h).
+  std::shared_ptr<LandingChecksum> landing;
+  std::function<void(const ReadOp&)> on_chunk;
+  if (e.spec.checked) {
+    char* base = e.frame.data;
+    landing = std::make_shared<LandingChecksum>(base, ranges_as_read(e.spec));
+    on_chunk = [landing, base](const ReadOp& piece) {
+      landing->landed(static_cast<std::uint64_t>(piece.dst - base), piece.length);
+    };
+  }
   check_accounting_locked(lock);
   // The completion may run before submit() returns; it takes the lock, so
   // the submit happens with the lock released.
@@ -257,10 +291,10 @@ void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
   std::int64_t submitted = TraceRecorder::now_ns();
   io_.submit(
       std::move(ops),
-      [this, id, gen, submitted, urgent](IoBatch& b) {
-        complete_read(id, gen, b, submitted, urgent);
+      [this, id, gen, submitted, urgent, landing](IoBatch& b) {
+        complete_read(id, gen, b, submitted, urgent, landing.get());
       },
-      urgent, TraceTag{id, gen});
+      urgent, TraceTag{id, gen}, std::move(on_chunk));
   lock.lock();
   cv_.notify_all();  // off disk now (wait_off_disk)
 }
@@ -282,7 +316,12 @@ void Pager::abandon_read_locked(Lock& lock, PageId id) {
 }
 
 void Pager::complete_read(
-    PageId id, std::uint64_t gen, IoBatch& batch, std::int64_t submitted_ns, bool urgent) {
+    PageId id,
+    std::uint64_t gen,
+    IoBatch& batch,
+    std::int64_t submitted_ns,
+    bool urgent,
+    LandingChecksum* landing) {
   Lock lock(mu_);
   PageEntry& e = table_.at(id);
   if (e.read_gen != gen || e.state != PageState::in_flight) {
@@ -306,11 +345,18 @@ void Pager::complete_read(
     }
     lock.unlock();
     std::int64_t t0 = trace_.enabled() ? TraceRecorder::now_ns() : 0;
+    // What landed was hashed as it landed, before any move shifts it.
+    std::optional<std::uint64_t> landed_sum;
+    if (spec.checked && landing != nullptr) {
+      landed_sum = landing->finish();
+    }
     for (const FrameMove& m : spec.moves) {
       std::memmove(data + m.to, data + m.from, m.length);
     }
     std::uint64_t mismatches = 0, reread_bytes = 0;
-    if (spec.checked) {
+    if (spec.checked && landed_sum != spec.checksum) {
+      // Not hashed while landing, or a mismatch: verify (and read again) the
+      // slow way, which names what is wrong.
       corrupt = verify_unlocked(spec, TraceTag{id, gen}, data, again, mismatches, reread_bytes);
     }
     if (t0 != 0 && trace_.enabled()) {
@@ -325,6 +371,7 @@ void Pager::complete_read(
       trace_.record(te);
     }
     lock.lock();
+    stat_.verified_landing += spec.checked && landed_sum == spec.checksum;
     stat_.checksum_errors += mismatches;
     stat_.rereads += mismatches > 0;
     stat_.bytes_read += reread_bytes;

@@ -61,9 +61,14 @@ void PageIO::set_fault_injector(FaultInjector f) {
 }
 
 std::shared_ptr<IoBatch> PageIO::submit(
-    std::vector<ReadOp> ops, std::function<void(IoBatch&)> on_complete, bool urgent, TraceTag tag) {
+    std::vector<ReadOp> ops,
+    std::function<void(IoBatch&)> on_complete,
+    bool urgent,
+    TraceTag tag,
+    std::function<void(const ReadOp&)> on_chunk) {
   auto batch = std::make_shared<IoBatch>();
   batch->on_complete_ = std::move(on_complete);
+  batch->on_chunk_ = std::move(on_chunk);
   batch->tag_ = tag;
   std::vector<Chunk> chunks;
   for (const ReadOp& op : ops) {
@@ -153,6 +158,9 @@ void PageIO::run_chunk(Chunk& c, const FaultInjector& injector) {
   try {
     n = read_attempts(c.op, injector);
     c.batch->bytes_ += n;
+    if (c.batch->on_chunk_) {
+      c.batch->on_chunk_(c.op);
+    }
   } catch (...) {
     failed = true;
     std::lock_guard<std::mutex> lock(c.batch->mu_);

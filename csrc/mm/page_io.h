@@ -4,7 +4,9 @@
 // a fixed set of I/O threads execute with pread on DirectFiles, in parallel,
 // so that one large page read keeps several requests in flight on the SSD.
 // When the last chunk of a batch finishes, the batch's completion callback
-// runs (on that I/O thread) and waiters wake.
+// runs (on that I/O thread) and waiters wake. A batch may also have a chunk
+// callback, run on the I/O thread after each chunk it read successfully,
+// before the chunk counts as finished (landing_checksum.h hashes there).
 //
 // Demand reads (a fault someone is blocked on) go ahead of readahead.
 //
@@ -76,6 +78,7 @@ class IoBatch {
  private:
   friend class PageIO;
   std::function<void(IoBatch&)> on_complete_;
+  std::function<void(const ReadOp&)> on_chunk_;
   TraceTag tag_;
   std::atomic<std::size_t> pending_{0};
   std::atomic<std::uint64_t> bytes_{0};
@@ -98,13 +101,16 @@ class PageIO {
 
   // Queues `ops`; `on_complete` (may be empty) runs once when all are done,
   // with the batch's error (if any) already recorded. `urgent` batches go
-  // ahead of non-urgent ones. `tag` names the read in the trace. Never
-  // blocks on I/O.
+  // ahead of non-urgent ones. `tag` names the read in the trace.
+  // `on_chunk` (may be empty) runs after each chunk read successfully, with
+  // the piece of an op it read, on that I/O thread, before the batch can
+  // complete; what it throws fails the batch. Never blocks on I/O.
   std::shared_ptr<IoBatch> submit(
       std::vector<ReadOp> ops,
       std::function<void(IoBatch&)> on_complete = {},
       bool urgent = true,
-      TraceTag tag = {});
+      TraceTag tag = {},
+      std::function<void(const ReadOp&)> on_chunk = {});
 
   // Reads synchronously on the calling thread (no queueing); throws on error.
   static std::uint64_t read_now(const ReadOp& op);

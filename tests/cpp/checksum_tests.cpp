@@ -121,6 +121,9 @@ TEST_CASE("checksum: every read is verified; a clean page reads with no error co
   VmStat s = p.stats();
   CHECK_EQ(s.checksum_errors, 0u);
   CHECK_EQ(s.read_errors, 0u);
+  // Each read was hashed as its chunks landed (landing_checksum.h).
+  CHECK(s.pages_read > 0);
+  CHECK_EQ(s.verified_landing, s.pages_read);
 }
 
 TEST_CASE("checksum: a transient corruption is caught and fixed by the re-read") {
@@ -142,6 +145,7 @@ TEST_CASE("checksum: a transient corruption is caught and fixed by the re-read")
   CHECK_EQ(s.rereads, 1u);
   CHECK_EQ(s.read_errors, 0u);
   CHECK_EQ(s.pages_rebuilt, 0u);
+  CHECK_EQ(s.verified_landing, 0u);  // the mismatch went the slow way, which re-read
 }
 
 TEST_CASE("checksum: bytes wrong on disk are rebuilt through the hook, then read") {

@@ -14,6 +14,7 @@
 
 #include "check.h"
 #include "mlx/tensor_pager.h"
+#include "mm/checksum.h"
 #include "mm/safetensors.h"
 
 using namespace mlx_pager;
@@ -331,11 +332,16 @@ TEST_CASE("tensor_pager: odd offsets are aligned in place; bad sizes are refused
   }
   TensorPager tp(cfg(1 << 20));
   std::vector<FileTensor> t = {{{"w", mx::float32, {4}}, path, 2, 16}};
-  PageId id = tp.add_page_in_place("odd", t);
+  // Checked: the tensor is hashed where it landed, before its move.
+  float v[4] = {1.5f, -2.0f, 3.25f, 4.0f};
+  std::uint64_t sum = combine_digests({xxh3(v, sizeof v)});
+  PageId id = tp.add_page_in_place("odd", t, 0, &sum);
   auto got = tp.acquire(id);
   CHECK(reinterpret_cast<std::uintptr_t>(got[0].second.data<float>()) % 16 == 0);
   CHECK(mx::array_equal(got[0].second, mx::array({1.5f, -2.0f, 3.25f, 4.0f})).item<bool>());
   tp.release(id);
+  CHECK_EQ(tp.pager().stats().verified_landing, 1u);
+  CHECK_EQ(tp.pager().stats().checksum_errors, 0u);
   std::vector<FileTensor> bad = {{{"w", mx::float32, {4}}, path, 0, 12}};
   CHECK_THROWS_WITH(tp.add_page_in_place("bad", bad), "need 16");
   std::vector<FileTensor> past = {{{"w", mx::float32, {4}}, path, 10, 16}};
