@@ -82,7 +82,7 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
     std::lock_guard<std::mutex> lock(kept_->mu);
     if (kept_->buffer != nullptr) {
       void* b = std::exchange(kept_->buffer, nullptr);
-      bool fits = kept_->size >= request && kept_->size <= request + request / 16 + 4 * kIoAlign;
+      bool fits = kept_->size >= request && kept_->size <= request + reuse_slack(request);
       kept_->size = 0;
       if (fits) {
         buf = mx::allocator::Buffer(b);

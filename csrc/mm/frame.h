@@ -26,6 +26,16 @@ struct Frame {
   std::shared_ptr<void> owner;  // keeps the memory alive
 };
 
+// How much more than a fresh frame's `need` bytes a reused one may cost: a
+// kept frame of a page's own size, give or take MLX's rounding (a few pages);
+// for a small page (tens of KB) no more than 1/16 of it, so that pages of
+// different sizes do not swap frames and each charge up to a third more.
+inline constexpr std::uint64_t reuse_slack(std::uint64_t need) {
+  constexpr std::uint64_t kPage = 4096;  // kIoAlign (direct_io.h)
+  std::uint64_t rel = need / 16;
+  return rel < kPage ? kPage : (rel > 4 * kPage ? 4 * kPage : rel);
+}
+
 class FrameAllocator {
  public:
   virtual ~FrameAllocator() = default;

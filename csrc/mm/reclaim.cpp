@@ -140,10 +140,11 @@ std::ptrdiff_t Pager::free_frame_for_locked(
   // One of the page's own size (a block's parts come in a few sizes, the
   // same in every block): a page charged more than a fresh frame would cost
   // leaves less of the budget to the others, and a block must still fit in
-  // its own footprint. MLX rounds a buffer up by a few pages at most.
+  // its own footprint. MLX rounds a buffer up by a few pages at most
+  // (reuse_slack).
   for (std::size_t i = 0; i < free_frames_.size(); ++i) {
     const FreeFrame& f = free_frames_[i];
-    if (f.frame.size >= frame_bytes && f.charged <= need + 4 * kIoAlign) {
+    if (f.frame.size >= frame_bytes && f.charged <= need + reuse_slack(need)) {
       return static_cast<std::ptrdiff_t>(i);
     }
   }
