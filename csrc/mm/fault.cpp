@@ -274,12 +274,18 @@ void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
   if (!urgent) {
     ++stat_.readahead_reads;
   }
-  // A checked page is hashed as its chunks land (landing_checksum.h).
-  std::shared_ptr<LandingChecksum> landing;
+  // A page's moves and checksum are done as its chunks land (landing.h).
+  std::shared_ptr<Landing> landing;
   std::function<void(const ReadOp&)> on_chunk;
-  if (e.spec.checked) {
+  if (e.spec.checked || !e.spec.moves.empty()) {
     char* base = e.frame.data;
-    landing = std::make_shared<LandingChecksum>(base, ranges_as_read(e.spec));
+    std::vector<FrameRange> reads;
+    for (const Extent& x : e.spec.extents) {
+      reads.push_back(FrameRange{x.frame_offset, x.length});
+    }
+    landing = std::make_shared<Landing>(
+        base, std::move(reads), e.spec.moves,
+        e.spec.checked ? ranges_as_read(e.spec) : std::vector<FrameRange>{}, e.spec.checked);
     on_chunk = [landing, base](const ReadOp& piece) {
       landing->landed(static_cast<std::uint64_t>(piece.dst - base), piece.length);
     };
@@ -321,7 +327,7 @@ void Pager::complete_read(
     IoBatch& batch,
     std::int64_t submitted_ns,
     bool urgent,
-    LandingChecksum* landing) {
+    Landing* landing) {
   Lock lock(mu_);
   PageEntry& e = table_.at(id);
   if (e.read_gen != gen || e.state != PageState::in_flight) {
@@ -345,13 +351,15 @@ void Pager::complete_read(
     }
     lock.unlock();
     std::int64_t t0 = trace_.enabled() ? TraceRecorder::now_ns() : 0;
-    // What landed was hashed as it landed, before any move shifts it.
+    // What landed was hashed as it landed, before any move shifted it,
+    // and moved as it landed; finish() does the rest.
     std::optional<std::uint64_t> landed_sum;
-    if (spec.checked && landing != nullptr) {
+    if (landing != nullptr) {
       landed_sum = landing->finish();
-    }
-    for (const FrameMove& m : spec.moves) {
-      std::memmove(data + m.to, data + m.from, m.length);
+    } else {
+      for (const FrameMove& m : spec.moves) {
+        std::memmove(data + m.to, data + m.from, m.length);
+      }
     }
     std::uint64_t mismatches = 0, reread_bytes = 0;
     if (spec.checked && landed_sum != spec.checksum) {
@@ -372,6 +380,7 @@ void Pager::complete_read(
     }
     lock.lock();
     stat_.verified_landing += spec.checked && landed_sum == spec.checksum;
+    stat_.moves_early += landing != nullptr ? landing->moved_early() : 0;
     stat_.checksum_errors += mismatches;
     stat_.rereads += mismatches > 0;
     stat_.bytes_read += reread_bytes;

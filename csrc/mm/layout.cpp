@@ -47,31 +47,43 @@ PagePlan plan_in_place(
     }
     std::uint64_t win_begin = align_down(run_begin, kIoAlign);
     std::uint64_t win_end = align_up(run_end, kIoAlign);
+    // Shift misaligned tensors LEFT by a running amount that only grows from
+    // the run's end to its start, so that moving them first-first, in the
+    // order their bytes land, never overwrites a tensor not yet moved (the
+    // moves can run while the read lands: landing.h). File and frame
+    // positions agree modulo kIoAlign, so aligning in file coordinates
+    // aligns in the frame. The first may move to before the window: lead.
+    std::vector<std::int64_t> to_rel(j - i);  // destinations, relative to the window
+    std::int64_t shift = 0;
+    const auto align = static_cast<std::int64_t>(kInPlaceAlign);
+    for (std::size_t k = j; k-- > i;) {
+      auto rel = static_cast<std::int64_t>(tensors[order[k]].offset - win_begin);
+      std::int64_t want = rel - shift;
+      std::int64_t to = want >= 0 ? want / align * align : -((-want + align - 1) / align * align);
+      shift = rel - to;
+      to_rel[k - i] = to;
+    }
+    std::uint64_t lead =
+        to_rel[0] < 0 ? align_up(static_cast<std::uint64_t>(-to_rel[0]), kIoAlign) : 0;
     Extent x;
     x.file = first.file;
     x.file_offset = win_begin;
     x.length = win_end - win_begin;
     x.required = std::min(win_end, file_sizes[first.file]) - win_begin;
-    x.frame_offset = frame_cursor;
+    x.frame_offset = frame_cursor + lead;
     plan.extents.push_back(x);
-    // Shift misaligned tensors right by a running amount `shift` that only
-    // grows along the run, so moving them last-first never overwrites a
-    // tensor not yet moved. The last one may move past the window: slack.
-    std::uint64_t base = frame_cursor - win_begin;  // frame pos = base + file offset
-    std::uint64_t shift = 0;
-    std::vector<FrameMove> run_moves;
+    std::uint64_t base = x.frame_offset - win_begin;  // frame pos = base + file offset
     for (std::size_t k = i; k < j; ++k) {
       const TensorSource& t = tensors[order[k]];
       std::uint64_t at = base + t.offset;
-      std::uint64_t to = align_up(at + shift, kInPlaceAlign);
-      shift = to - at;
-      if (shift > 0) {
-        run_moves.push_back(FrameMove{at, to, t.nbytes});
+      std::uint64_t to =
+          static_cast<std::uint64_t>(static_cast<std::int64_t>(x.frame_offset) + to_rel[k - i]);
+      if (to != at) {
+        plan.moves.push_back(FrameMove{at, to, t.nbytes});
       }
       plan.tensors[order[k]] = PlacedTensor{t.name, to, t.nbytes};
     }
-    plan.moves.insert(plan.moves.end(), run_moves.rbegin(), run_moves.rend());
-    frame_cursor = align_up(frame_cursor + x.length + shift, kIoAlign);
+    frame_cursor = align_up(x.frame_offset + x.length, kIoAlign);
     i = j;
   }
   plan.frame_bytes = std::max<std::uint64_t>(frame_cursor, kIoAlign);

@@ -6,7 +6,7 @@
 // When the last chunk of a batch finishes, the batch's completion callback
 // runs (on that I/O thread) and waiters wake. A batch may also have a chunk
 // callback, run on the I/O thread after each chunk it read successfully,
-// before the chunk counts as finished (landing_checksum.h hashes there).
+// before the chunk counts as finished (landing.h hashes and moves there).
 //
 // Demand reads (a fault someone is blocked on) go ahead of readahead.
 //

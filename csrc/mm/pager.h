@@ -83,7 +83,7 @@
 #include <vector>
 
 #include "mm/frame.h"
-#include "mm/landing_checksum.h"
+#include "mm/landing.h"
 #include "mm/page_io.h"
 #include "mm/page_table.h"
 #include "mm/reclaim.h"
@@ -251,14 +251,14 @@ class Pager {
   // The I/O completion of a read (takes mu_ itself).
   // `submitted_ns`: when the read was submitted (trace clock), `urgent`: a
   // fault's read (else readahead's); both for the trace.
-  // `landing`: the checksum taken as the read landed (null: none taken).
+  // `landing`: the moves and checksum done as the read landed (null: none).
   void complete_read(
       PageId id,
       std::uint64_t gen,
       IoBatch& batch,
       std::int64_t submitted_ns,
       bool urgent,
-      LandingChecksum* landing);
+      Landing* landing);
   // Verifies a page's frame after its read (mu_ not held; the frame is the
   // read's alone). On a mismatch reads the page again once (`again`: its
   // reads, resolved under mu_). Returns "" when the bytes match, else why

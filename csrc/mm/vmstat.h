@@ -19,6 +19,7 @@ struct VmStat {
   std::uint64_t io_retries = 0;           // chunk reads retried after an error
   std::uint64_t checksum_errors = 0;      // page reads whose bytes did not match
   std::uint64_t verified_landing = 0;     // checked reads verified as they landed
+  std::uint64_t moves_early = 0;          // tensor moves (layout.h) done as reads landed
   std::uint64_t rereads = 0;              // pages read again after a mismatch
   std::uint64_t pages_rebuilt = 0;        // pages rewritten from the model's files
   std::uint64_t pages_read = 0;           // page reads completed

@@ -47,6 +47,7 @@ nb::dict stats_dict(const VmStat& s) {
   d["io_retries"] = s.io_retries;
   d["checksum_errors"] = s.checksum_errors;
   d["verified_landing"] = s.verified_landing;
+  d["moves_early"] = s.moves_early;
   d["rereads"] = s.rereads;
   d["pages_rebuilt"] = s.pages_rebuilt;
   d["pages_read"] = s.pages_read;

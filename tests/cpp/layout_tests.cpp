@@ -91,9 +91,25 @@ TEST_CASE("layout: misaligned tensors are moved into place after the read") {
   CHECK_EQ(p.extents.size(), 1u);
   CHECK(!p.moves.empty());
   CHECK(plan_is_consistent(p, t));
-  // Moves run last tensor first.
-  for (std::size_t i = 1; i < p.moves.size(); ++i)
-    CHECK(p.moves[i].from < p.moves[i - 1].from);
+  // Tensors move left, first tensor first (in the order a read lands them:
+  // landing.h): no move writes where a later move still reads.
+  for (std::size_t i = 0; i < p.moves.size(); ++i) {
+    CHECK(p.moves[i].to < p.moves[i].from);
+    for (std::size_t j = i + 1; j < p.moves.size(); ++j) {
+      CHECK(p.moves[i].from < p.moves[j].from);
+      CHECK(p.moves[i].to + p.moves[i].length <= p.moves[j].from);
+    }
+  }
+}
+
+TEST_CASE("layout: a run whose first tensor must move before its window gets a lead") {
+  // The first tensor at byte 3 of its 4 KiB block must move left past the
+  // window's start: the window sits a kIoAlign lead into the frame.
+  std::vector<TensorSource> t = {{"a", 0, 4096 + 3, 100, 4}, {"b", 0, 4096 + 103, 4000, 4}};
+  auto p = plan_in_place(t, {20000});
+  REQUIRE(p.extents.size() == 1u);
+  CHECK_EQ(p.extents[0].frame_offset, kIoAlign);
+  CHECK(plan_is_consistent(p, t));
 }
 
 TEST_CASE("layout: a tensor outside its file cannot be planned") {

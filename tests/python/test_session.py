@@ -111,3 +111,7 @@ def test_page_parts_auto_follows_the_planned_page_budget(models, tmp_path):
     assert tight.train_losses == roomy.train_losses
     enough = run_one_step(model, tmp_path, "enough", page_budget=PARTS_BELOW_BLOCKS * block)
     assert all(len(p) == 1 for p in enough.block_pages)
+    # The trained blocks as the tail: held (bound once, compiled) where
+    # their pages fit beside another block, streamed through a block's room.
+    assert roomy.steps[-1]["tail_held"] and roomy.steps[-1]["recomputed_blocks"] == 0
+    assert not tight.steps[-1]["tail_held"]
