@@ -82,7 +82,11 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
     std::lock_guard<std::mutex> lock(kept_->mu);
     if (kept_->buffer != nullptr) {
       void* b = std::exchange(kept_->buffer, nullptr);
-      bool fits = kept_->size >= request && kept_->size <= request + reuse_slack(request);
+      // Up to 1/16 larger (MLX's cache rounds larger pages by more than the
+      // pager's reuse_slack allows), never more than reuse_slack for a small
+      // page.
+      bool fits = kept_->size >= request &&
+          kept_->size <= request + std::max(reuse_slack(request), request / 16);
       kept_->size = 0;
       if (fits) {
         buf = mx::allocator::Buffer(b);

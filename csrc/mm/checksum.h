@@ -8,8 +8,9 @@
 //  - a file's digest (the swap cache's key: swapcache.py), and
 //  - the digests of byte ranges of that file (the tensors an in-place page
 //    checksum is combined from), both in one sequential pass (hash_file).
-// The pager verifies a page after its read, on the I/O thread, with its
-// lock released (fault.cpp).
+// The pager hashes a page as its read lands, on the I/O threads, with its
+// lock released (landing.h), and compares when the read completes
+// (fault.cpp); a mismatch is checked again here, the slow way.
 #pragma once
 
 #include <cstddef>

@@ -30,6 +30,9 @@ struct Frame {
 // kept frame of a page's own size, give or take MLX's rounding (a few pages);
 // for a small page (tens of KB) no more than 1/16 of it, so that pages of
 // different sizes do not swap frames and each charge up to a third more.
+// (MLX's one kept frame, mlx_frames.h, also takes up to 1/16 more for a large
+// page: MLX's cache rounds those by more, and a frame not reused there is
+// one more allocation beside the one freed.)
 inline constexpr std::uint64_t reuse_slack(std::uint64_t need) {
   constexpr std::uint64_t kPage = 4096;  // kIoAlign (direct_io.h)
   std::uint64_t rel = need / 16;

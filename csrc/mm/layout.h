@@ -9,11 +9,13 @@
 //    request. Direct I/O needs file offset == frame offset modulo kIoAlign, so
 //    a tensor's place in the frame follows from its place in the file; a
 //    tensor whose file offset is not a multiple of its item size could not
-//    be viewed in place is moved after the read: MLX's own writer does not
-//    pad the header, so in MLX-written files most tensors start at odd
-//    offsets. Each such tensor is shifted right by a few bytes inside its
-//    frame (kInPlaceAlign), in place, last tensor first, into slack the plan
-//    leaves after each run: a memmove on the I/O thread, no second buffer.
+//    be viewed in place is moved after its bytes land: MLX's own writer
+//    does not pad the header, so in MLX-written files most tensors start at
+//    odd offsets. Each such tensor is shifted left by a few bytes inside its
+//    frame (to kInPlaceAlign), in place, first tensor first, so that the
+//    moves can follow the read as it lands (landing.h); a run whose first
+//    tensor would move before its window gets a lead of one kIoAlign in the
+//    frame. A memmove on an I/O thread, no second buffer.
 //  - swap file: the pager wrote the page itself, contiguously, each tensor at
 //    a kTensorAlign boundary, the page padded to kIoAlign: one read per page.
 #pragma once
@@ -53,7 +55,7 @@ struct PlacedTensor {
 struct PagePlan {
   std::uint64_t frame_bytes = 0;
   std::vector<Extent> extents;
-  std::vector<FrameMove> moves;       // to apply, in order, after the reads
+  std::vector<FrameMove> moves;       // to apply in order, each once its bytes landed
   std::vector<PlacedTensor> tensors;  // in the order given; final offsets
 };
 

@@ -59,7 +59,8 @@ struct PageSpec {
   int priority = 0;  // eviction class: lower classes are evicted first
   std::vector<FrameMove> moves;
   // Integrity (checksum.h): when `checked`, every read of the page is
-  // verified on its I/O thread: frame_checksum(frame, verify) == checksum.
+  // verified on its I/O threads: frame_checksum(frame, verify) == checksum,
+  // the ranges hashed where the read lands them (landing.h).
   bool checked = false;
   std::uint64_t checksum = 0;
   std::vector<FrameRange> verify;

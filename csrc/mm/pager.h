@@ -18,8 +18,9 @@
 //   pin(p)      resident for good and mlock'ed (mlock.h); never evicted.
 //
 // Integrity: a page registered with a checksum (PageSpec::checked) is
-// verified after every read, on the I/O thread that completed it, with mu_
-// released (checksum.h). A mismatch reads the page once more, synchronously
+// verified on every read, hashed as its chunks land on the I/O threads
+// (landing.h) and compared on the one that completed it, with mu_ released
+// (checksum.h). A mismatch reads the page once more, synchronously
 // on that thread; a second mismatch fails the read as corrupt. The acquire
 // waiting for it then calls the rebuild hook (set_rebuild_hook) on its own
 // thread, without mu_: a hook that rewrote the page's bytes (a swap page,

@@ -5,8 +5,9 @@
 // caller can place its own events on the same timeline):
 //
 //   chunk    one chunk read on an I/O thread (page_io.h): [start, end], bytes
-//   verify   a page's bytes aligned and checked after its read, on the I/O
-//            thread that completed it (reread events nest inside it)
+//   verify   what is left of aligning and checking a page's bytes after its
+//            last chunk (the rest ran as chunks landed: landing.h), on the
+//            I/O thread that completed it (reread events nest inside it)
 //   reread   the page read again after a checksum mismatch, same thread
 //   read     one page read, from submission to completion; `bytes` is what
 //            it added to the pager's bytes_read counter and `total` that
