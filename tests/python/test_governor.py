@@ -302,3 +302,40 @@ def test_memory_the_plan_did_not_count_joins_its_slack(ladder_model, ladder_data
     assert pages3 <= pages2 - grown + (8 << 20)  # the pages made room
     for s in steps[2:]:
         assert s["step_peak_rss_bytes"] <= s["predicted_peak_bytes"], s
+
+
+class PagesCut(PagerCallback):
+    """Cuts the page budget to `fraction` of the held tail's need at the
+    start of iteration `at` (as the governor's page_budget rung does)."""
+
+    def __init__(self, at, fraction):
+        self.at, self.fraction, self.session = at, fraction, None
+
+    def on_session(self, session):
+        self.session = session
+
+    def on_step_begin(self, iteration, stats):
+        if iteration == self.at:
+            from mlx_pager import step
+
+            s = self.session
+            L = len(s.model.layers)
+            need = sum(s.weights.block_footprint(i) for i in range(s.tail_start, L))
+            need += max((s.weights.block_footprint(i) for i in range(s.tail_start)), default=0)
+            assert step.holds_tail(s.weights, s.tail_start, need)
+            s.gov.set_page_budget(int(need * self.fraction))
+
+
+def test_a_held_tail_streams_once_its_pages_no_longer_fit(ladder_model, ladder_data, tmp_path, unforced):
+    """The trained blocks run as a held tail (pages bound, vjp compiled)
+    while the page budget holds them; cut below that mid-run, the step
+    streams the tail instead (the pager's schedule follows, both ways: the
+    plan gives the pages their budget back after the step), and the
+    adapters are the unforced run's, bit for bit."""
+    res, ad = ladder_run(ladder_model, ladder_data, tmp_path, cb=PagesCut(3, 0.6))
+    held = [s["tail_held"] for s in res.steps]
+    assert held[:3] == [True, True, False], held
+    # streamed: each tail page acquired forward and again backward
+    assert res.steps[2]["acquires"] > res.steps[1]["acquires"]
+    assert all(s["recomputed_blocks"] == 0 for s in res.steps)
+    same(unforced, ad, exact=True)
