@@ -245,7 +245,9 @@ namespace {
 std::vector<FrameRange> ranges_as_read(const PageSpec& spec) {
   std::unordered_map<std::uint64_t, const FrameMove*> moved;  // by destination
   for (const FrameMove& m : spec.moves) {
-    moved[m.to] = &m;
+    if (m.length != 0) {  // an empty tensor shares its place with the next one
+      moved[m.to] = &m;
+    }
   }
   std::vector<FrameRange> out = spec.verify;
   for (FrameRange& r : out) {

@@ -28,8 +28,10 @@ struct Frame {
 
 // How much more than a fresh frame's `need` bytes a reused one may cost: a
 // kept frame of a page's own size, give or take MLX's rounding (a few pages);
-// for a small page (tens of KB) no more than 1/16 of it, so that pages of
-// different sizes do not swap frames and each charge up to a third more.
+// for a small page (under 256 KB) 1/16 of it, but at least one IO_ALIGN, so
+// that pages of different sizes do not swap frames and each charge up to a
+// third more. (With 16 KB VM pages, as on Apple silicon, a page under 64 KB
+// then never reuses a frame: only test-sized pages are that small.)
 // (MLX's one kept frame, mlx_frames.h, also takes up to 1/16 more for a large
 // page: MLX's cache rounds those by more, and a frame not reused there is
 // one more allocation beside the one freed.)

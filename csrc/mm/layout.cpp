@@ -78,7 +78,7 @@ PagePlan plan_in_place(
       std::uint64_t at = base + t.offset;
       std::uint64_t to =
           static_cast<std::uint64_t>(static_cast<std::int64_t>(x.frame_offset) + to_rel[k - i]);
-      if (to != at) {
+      if (to != at && t.nbytes != 0) {
         plan.moves.push_back(FrameMove{at, to, t.nbytes});
       }
       plan.tensors[order[k]] = PlacedTensor{t.name, to, t.nbytes};

@@ -136,11 +136,14 @@ class Tail:
                 return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes)
 
             fn = self._fns[(start, chunk_bytes)] = mx.compile(held, inputs=[model.state])
-        before = self.model.parameters()
+        # mx.compile swaps every array of model.state (private ones too, e.g.
+        # a scaled RoPE's _freqs) for a tracer, and swaps them back only when
+        # the trace succeeds.
+        before = tree_flatten(self.model.state)
         try:
             return fn(h, mb.inputs, mb.targets, mb.mask, mb.norm, mb.calls)
         except Exception as e:
-            self.model.update(before)  # a failed trace may leave tracers in the model
+            self.model.update(tree_unflatten(before), strict=False)
             # A trace that fails fails before running anything; running the
             # tail uncompiled raises any error of its own again.
             text = str(e).strip()

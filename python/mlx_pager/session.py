@@ -159,7 +159,11 @@ class Session:
     def holds_tail(self) -> bool:
         """Whether the placement's tail fits the page budget now, so that a
         step holds its pages rather than streaming them (step.holds_tail)."""
-        return step.holds_tail(self.weights, self.tail_start, self.gov.page_budget)
+        # with spilled checkpoints, no tail is held: their pages come and go
+        # beside the blocks below the tail, which the hold does not count
+        if self.placement is not None and self.placement.spilled:
+            return False
+        return step.holds_tail(self.weights, self.tail_start, step.page_room(self.weights))
 
     def tail_hold(self) -> bool:
         """holds_tail() for the step about to run; the pager's schedule

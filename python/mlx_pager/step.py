@@ -524,6 +524,12 @@ def first_trained_block(model: nn.Module) -> int:
     return len(model.layers)
 
 
+def page_room(weights) -> int:
+    """The pager's budget less what its pinned pages are charged now: the
+    room pages have (the governor moves the budget)."""
+    return int(weights.pager.budget) - int(weights.pager.stats()["pinned_bytes"])
+
+
 def holds_tail(weights, tail_start: int, page_budget: int) -> bool:
     """Whether a tail segment starting at `tail_start` is held: bound for
     the tail's duration (ordinary arrays, one read per step, a compiled
@@ -688,11 +694,12 @@ def paged_value_and_grad(
         # its pages bound for all of them, or streamed through each. (Held
         # only if the pages still fit: the governor may have lowered the
         # page budget since the step began.)
-        st = weights.pager.stats()
-        held = hold_tail and holds_tail(weights, s_tail, int(weights.pager.budget) - int(st["pinned_bytes"]))
+        # (Not with spilled checkpoints: their pages come and go beside the
+        # blocks below the tail, which holds_tail does not count.)
+        tail_held = hold_tail and not to_ssd and holds_tail(weights, s_tail, page_room(weights))
         if probe is not None:
-            probe["tail_held"] = held
-        with weights.bound(*range(s_tail, L)) if held else Stream(weights, range(s_tail, L)).bound() as streamed:
+            probe["tail_held"] = tail_held
+        with weights.bound(*range(s_tail, L)) if tail_held else Stream(weights, range(s_tail, L)).bound() as streamed:
             tail_grads: Dict[str, mx.array] = {}
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None

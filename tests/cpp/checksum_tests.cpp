@@ -121,7 +121,7 @@ TEST_CASE("checksum: every read is verified; a clean page reads with no error co
   VmStat s = p.stats();
   CHECK_EQ(s.checksum_errors, 0u);
   CHECK_EQ(s.read_errors, 0u);
-  // Each read was hashed as its chunks landed (landing_checksum.h).
+  // Each read was hashed as its chunks landed (landing.h).
   CHECK(s.pages_read > 0);
   CHECK_EQ(s.verified_landing, s.pages_read);
 }

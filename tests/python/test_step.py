@@ -271,6 +271,73 @@ def test_a_held_tail_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
         assert_bitwise(grads, pgrads)
 
 
+LLAMA3_ROPE = {
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+}
+
+
+def test_a_failed_held_tail_trace_leaves_the_model_as_it_was(models, tmp_path, monkeypatch):
+    """mx.compile swaps every array of the model's state for a tracer,
+    private ones too (llama3 RoPE's _freqs), and puts them back only when
+    the trace succeeds: after a trace that fails (a block that evaluates an
+    array, as dbrx's router does), the uncompiled fallback must see the real
+    arrays, and give mlx-lm's bits."""
+    path = models("llama", None, extra=LLAMA3_ROPE)
+    (batch,) = batches(path, 1)
+    ref = reference(path, 2)
+    (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+    mx.eval(loss, grads)
+    model, w = paged(path, 2, "in_place", tmp_path)
+    L = len(model.layers)
+    assert any("._" in k for k, _ in tree_flatten(model.state)), "the model should keep a private array"
+    run_block = S.run_block
+
+    def untraceable(layer, x, call):
+        y = run_block(layer, x, call)
+        if layer is model.layers[L - 1]:
+            mx.eval(y)  # fine uncompiled, refused by a compile trace
+        return y
+
+    monkeypatch.setattr(S, "run_block", untraceable)
+    blocks = S.Blocks(model)
+    losses, _, pgrads = S.paged_value_and_grad(
+        model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=L - 2, hold_tail=True
+    )
+    assert blocks.tail.uncompiled and "eval" in blocks.tail.uncompiled
+    assert losses[0].item() == loss.item()
+    assert_bitwise(grads, pgrads)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_checkpoint_bytes_count_down_to_zero_below_a_tail(models, tmp_path, hold):
+    """probe["checkpoint_bytes"] (memory traces) is the recomputed blocks'
+    checkpoints held: never negative, back to 0 after the backward sweep,
+    with a tail (held or streamed) above them."""
+    path = models("llama", None)
+    (batch,) = batches(path, 1)
+    model, w = paged(path, 3, "in_place", tmp_path)
+    L = len(model.layers)
+    probe, seen = {}, []
+    S.paged_value_and_grad(
+        model,
+        w,
+        [S.MicroBatch.from_batch(*batch)],
+        tail_start=L - 1,
+        hold_tail=hold,
+        probe=probe,
+        on_block=lambda phase, i: seen.append((phase, i, probe.get("checkpoint_bytes", 0))),
+    )
+    assert probe["tail_held"] is hold
+    assert all(isinstance(b, int) and b >= 0 for _, _, b in seen), seen
+    assert max(b for _, _, b in seen) > 0 and seen[-1][2] == 0, seen
+
+
 @pytest.mark.parametrize(
     "arch, bits, dora, pages",
     [("llama", None, False, 2), ("qwen3", 4, False, 2), ("llama", None, True, 2), ("llama", None, False, 1)],
