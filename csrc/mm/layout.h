@@ -13,9 +13,10 @@
 //    does not pad the header, so in MLX-written files most tensors start at
 //    odd offsets. Each such tensor is shifted left by a few bytes inside its
 //    frame (to kInPlaceAlign), in place, first tensor first, so that the
-//    moves can follow the read as it lands (landing.h); a run whose first
-//    tensor would move before its window gets a lead of one kIoAlign in the
-//    frame. A memmove on an I/O thread, no second buffer.
+//    moves can follow the read as it lands (landing.h); a run that moves a
+//    tensor gets a lead of a kIoAlign (more if its first tensor needs it)
+//    before its window in the frame, so that pages of one shape have one
+//    frame size. A memmove on an I/O thread, no second buffer.
 //  - swap file: the pager wrote the page itself, contiguously, each tensor at
 //    a kTensorAlign boundary, the page padded to kIoAlign: one read per page.
 #pragma once

@@ -1,6 +1,7 @@
 // layout_tests.cpp: in-place plans coalesce, stay aligned and never overlap;
 // swap pages pack tensors at kTensorAlign.
 #include <cstring>
+#include <map>
 
 #include "check.h"
 #include "mm/direct_io.h"
@@ -100,6 +101,27 @@ TEST_CASE("layout: misaligned tensors are moved into place after the read") {
       CHECK(p.moves[i].to + p.moves[i].length <= p.moves[j].from);
     }
   }
+}
+
+TEST_CASE("layout: pages of one shape read in equal windows get one frame size") {
+  // The same three tensors at 64 offsets (as the blocks of an MLX-written
+  // file): plans whose read window has the same length have one frame
+  // size, whatever the tensors' offsets inside it, so a frame freed by one
+  // block's page fits the next (the pager's kept frames).
+  std::map<std::uint64_t, std::uint64_t> frame_by_window;
+  int moved = 0;
+  for (std::uint64_t at = 8; at < 8 + 64 * 67; at += 67) {
+    std::vector<TensorSource> t = {
+        {"a", 0, at, 4000, 4}, {"b", 0, at + 4000, 12, 4}, {"c", 0, at + 4012, 50000, 2}};
+    auto p = plan_in_place(t, {at + 60000});
+    CHECK(plan_is_consistent(p, t));
+    if (p.moves.empty())
+      continue;
+    ++moved;
+    auto [it, fresh] = frame_by_window.emplace(p.extents[0].length, p.frame_bytes);
+    CHECK_EQ(p.frame_bytes, it->second);
+  }
+  CHECK(moved > 32);
 }
 
 TEST_CASE("layout: a run whose first tensor must move before its window gets a lead") {
