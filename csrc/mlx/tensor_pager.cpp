@@ -90,6 +90,7 @@ PageId TensorPager::add_page_in_place(
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     placed.push_back(Placed{tensors[i].spec, plan.tensors[i].frame_offset});
     spec.verify.push_back(FrameRange{plan.tensors[i].frame_offset, plan.tensors[i].nbytes});
+    spec.verify_as_read.push_back(FrameRange{plan.tensors[i].read_offset, plan.tensors[i].nbytes});
   }
   if (checksum != nullptr) {
     spec.checked = true;
@@ -134,6 +135,7 @@ PageId TensorPager::add_page_from_swap(
     spec.checked = true;
     spec.checksum = *checksum;
     spec.verify.push_back(FrameRange{0, plan.frame_bytes});
+    spec.verify_as_read = spec.verify;  // a swap page moves nothing
   }
   return add(std::move(spec), std::move(placed));
 }

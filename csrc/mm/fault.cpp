@@ -15,7 +15,6 @@
 #include <exception>
 #include <functional>
 #include <optional>
-#include <unordered_map>
 #include <utility>
 
 #include "mm/bug.h"
@@ -238,29 +237,6 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   submit_read_locked(lock, id, urgent);
 }
 
-namespace {
-
-// A checked page's checksum ranges where its read puts their bytes: a range
-// the plan moves after the read (layout.h) at the move's source.
-std::vector<FrameRange> ranges_as_read(const PageSpec& spec) {
-  std::unordered_map<std::uint64_t, const FrameMove*> moved;  // by destination
-  for (const FrameMove& m : spec.moves) {
-    if (m.length != 0) {  // an empty tensor shares its place with the next one
-      moved[m.to] = &m;
-    }
-  }
-  std::vector<FrameRange> out = spec.verify;
-  for (FrameRange& r : out) {
-    auto it = moved.find(r.offset);
-    if (it != moved.end() && it->second->length == r.length) {
-      r.offset = it->second->from;
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
 void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
@@ -287,7 +263,10 @@ void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
     }
     landing = std::make_shared<Landing>(
         base, std::move(reads), e.spec.moves,
-        e.spec.checked ? ranges_as_read(e.spec) : std::vector<FrameRange>{}, e.spec.checked);
+        !e.spec.checked                     ? std::vector<FrameRange>{}
+            : e.spec.verify_as_read.empty() ? e.spec.verify
+                                            : e.spec.verify_as_read,
+        e.spec.checked);
     on_chunk = [landing, base](const ReadOp& piece) {
       landing->landed(static_cast<std::uint64_t>(piece.dst - base), piece.length);
     };

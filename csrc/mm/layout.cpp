@@ -94,7 +94,7 @@ PagePlan plan_in_place(
       if (to != at && t.nbytes != 0) {
         plan.moves.push_back(FrameMove{at, to, t.nbytes});
       }
-      plan.tensors[order[k]] = PlacedTensor{t.name, to, t.nbytes};
+      plan.tensors[order[k]] = PlacedTensor{t.name, to, t.nbytes, at};
     }
     frame_cursor = align_up(x.frame_offset + x.length, kIoAlign);
     i = j;
@@ -131,7 +131,7 @@ PagePlan plan_from_swap(
   plan.frame_bytes = l.bytes;
   plan.extents.push_back(Extent{swap_file, page_offset, l.bytes, l.bytes, 0});
   for (std::size_t i = 0; i < names.size(); ++i) {
-    plan.tensors.push_back(PlacedTensor{names[i], l.offsets[i], nbytes[i]});
+    plan.tensors.push_back(PlacedTensor{names[i], l.offsets[i], nbytes[i], l.offsets[i]});
   }
   return plan;
 }

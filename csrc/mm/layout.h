@@ -49,8 +49,9 @@ struct TensorSource {
 
 struct PlacedTensor {
   std::string name;
-  std::uint64_t frame_offset = 0;
+  std::uint64_t frame_offset = 0;  // where it is once the page's moves ran
   std::uint64_t nbytes = 0;
+  std::uint64_t read_offset = 0;  // where the read puts it (frame_offset unless it moves)
 };
 
 struct PagePlan {

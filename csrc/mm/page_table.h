@@ -64,6 +64,10 @@ struct PageSpec {
   bool checked = false;
   std::uint64_t checksum = 0;
   std::vector<FrameRange> verify;
+  // The same ranges where the read puts their bytes, before the moves (what
+  // landing.h hashes as the read lands); empty: where `verify` says (a page
+  // that moves nothing).
+  std::vector<FrameRange> verify_as_read;
 };
 
 // What the pager knows of one page at run time.

@@ -123,10 +123,9 @@ class Tail:
         self.uncompiled: Optional[str] = None  # why mx.compile failed
 
     def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
-        if stream is not None or not self.compile or self.uncompiled is not None:
+        dropout = any(k is not None for k in keys[start:])
+        if stream is not None or not self.compile or self.uncompiled is not None or dropout:
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
-        if any(k is not None for k in keys[start:]):
-            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes)
         fn = self._fns.get((start, chunk_bytes))
         if fn is None:
             model = self.model

@@ -37,6 +37,20 @@ def paged(path, num_layers, store, tmp_path, dora=False, page_parts=None):
     return A.paged(path, num_layers, store, str(tmp_path), dora=dora, lora=LORA, page_parts=page_parts)
 
 
+def reference_sums(path, num_layers, bs):
+    """mlx-lm's loss per batch of `bs` and its gradients summed over them."""
+    ref = reference(path, num_layers)
+    vg = nn.value_and_grad(ref, default_loss)
+    total, losses = None, []
+    for b in bs:
+        (l, _), g = vg(ref, *b)
+        mx.eval(l, g)
+        losses.append(l.item())
+        flat = dict(tree_flatten(g))
+        total = flat if total is None else {k: total[k] + flat[k] for k in flat}
+    return losses, total
+
+
 def assert_bitwise(ref_grads, grads):
     bad = A.bitwise_mismatches(dict(tree_flatten(ref_grads)), grads)
     assert not bad, bad
@@ -160,15 +174,7 @@ def test_tail_segment_is_bitwise_mlx_lm_at_every_start(models, tmp_path, arch, b
     where the graph uses it, forward and backward, per micro-batch."""
     path = models(arch, bits)
     bs = batches(path, 2)
-    ref = reference(path, 3)
-    vg = nn.value_and_grad(ref, default_loss)
-    total, ref_losses = None, []
-    for b in bs:
-        (l, _), g = vg(ref, *b)
-        mx.eval(l, g)
-        ref_losses.append(l.item())
-        flat = dict(tree_flatten(g))
-        total = flat if total is None else {k: total[k] + flat[k] for k in flat}
+    ref_losses, total = reference_sums(path, 3, bs)
     model, w = paged(path, 3, "in_place", tmp_path)
     L = len(model.layers)
     for s in range(L - 3, L + 1):
@@ -191,15 +197,7 @@ def test_a_held_tail_is_compiled_and_bitwise_mlx_lm_at_every_start(models, tmp_p
     micro-batch."""
     path = models(arch, bits)
     bs = batches(path, 2)
-    ref = reference(path, 3)
-    vg = nn.value_and_grad(ref, default_loss)
-    total, ref_losses = None, []
-    for b in bs:
-        (l, _), g = vg(ref, *b)
-        mx.eval(l, g)
-        ref_losses.append(l.item())
-        flat = dict(tree_flatten(g))
-        total = flat if total is None else {k: total[k] + flat[k] for k in flat}
+    ref_losses, total = reference_sums(path, 3, bs)
     model, w = paged(path, 3, "in_place", tmp_path)
     L = len(model.layers)
     blocks = S.Blocks(model)
