@@ -42,6 +42,25 @@ Frame Pager::acquire(PageId id) {
   advance_cursor_locked(lock, id);
   bool counted = false;
   bool rebuilt = false;
+  // Read `gen` of the page failed: rebuild its bytes once where the page is
+  // corrupt and a hook can (then the loop reads it again), else throw.
+  auto read_failed = [&](std::uint64_t gen) {
+    MLX_PAGER_ASSERT(e.state == PageState::on_disk && e.failed_gen == gen);
+    if (e.corrupt && !rebuilt && rebuild_hook_) {
+      // Rebuild the page's bytes on this thread, unlocked (the hook may
+      // run Python and MLX), then read again.
+      std::shared_ptr<const RebuildHook> hook = rebuild_hook_;
+      rebuilt = true;
+      lock.unlock();
+      bool ok = (*hook)(id);
+      lock.lock();
+      if (ok) {
+        ++stat_.pages_rebuilt;
+        return;
+      }
+    }
+    throw PageReadError(e.error);
+  };
   for (;;) {
     if (e.state == PageState::resident) {
       if (!counted) {
@@ -79,28 +98,20 @@ Frame Pager::acquire(PageId id) {
         trace_.record(te);
       }
       if (e.state == PageState::on_disk && e.failed_gen == gen) {
-        if (e.corrupt && !rebuilt && rebuild_hook_) {
-          // Rebuild the page's bytes on this thread, unlocked (the hook may
-          // run Python and MLX), then read again.
-          std::shared_ptr<const RebuildHook> hook = rebuild_hook_;
-          rebuilt = true;
-          lock.unlock();
-          bool ok = (*hook)(id);
-          lock.lock();
-          if (ok) {
-            ++stat_.pages_rebuilt;
-            continue;
-          }
-        }
-        throw PageReadError(e.error);
+        read_failed(gen);
       }
       continue;
     }
-    // on_disk: a major fault. The read is accounted when we see it in flight.
-    start_read_locked(lock, id, /*urgent=*/true);
-    if (e.state == PageState::in_flight && !counted) {
+    // on_disk: a major fault. start_read_locked drops the lock to submit,
+    // so the read this acquire started may have landed (or failed) before
+    // it returns: count the fault by the read it started, not by the state.
+    std::uint64_t gen = start_read_locked(lock, id, /*urgent=*/true);
+    if (gen != 0 && !counted) {
       counted = true;
       ++stat_.faults;
+    }
+    if (gen != 0 && e.state == PageState::on_disk && e.failed_gen == gen) {
+      read_failed(gen);
     }
   }
 }
@@ -141,7 +152,7 @@ void Pager::release_lease(PageId id) {
   accounting_->wake_readahead();
 }
 
-void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
+std::uint64_t Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
   std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
@@ -151,7 +162,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   // make_room may have waited with the lock released: another thread may have
   // started this very read meanwhile.
   if (e.state != PageState::on_disk) {
-    return;
+    return 0;
   }
   std::ptrdiff_t kept = free_frame_for_locked(lock, e.spec.frame_bytes, need);
   if (kept >= 0) {
@@ -163,12 +174,12 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
     e.charged = f.charged;
     e.state = PageState::in_flight;
     e.prefetched = !urgent;
-    ++e.read_gen;
+    std::uint64_t gen = ++e.read_gen;
     e.frame = std::move(f.frame);
     ++stat_.frames_reused;
     note_peak_locked(lock);
     submit_read_locked(lock, id, urgent);
-    return;
+    return gen;
   }
   accounting_->add(need);
   held_bytes_ += need;
@@ -222,7 +233,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
       if (room_error) {
         std::rethrow_exception(room_error);
       }
-      return;
+      return 0;
     }
   }
   // Charge the exact footprint in place of the reservation.
@@ -235,6 +246,7 @@ void Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
     note_peak_locked(lock);
   }
   submit_read_locked(lock, id, urgent);
+  return gen;
 }
 
 void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {

@@ -237,12 +237,14 @@ class Pager {
   // fault.cpp
   // Starts reading an on_disk page (urgent: a fault, which first makes room
   // and may wait; else readahead, which the caller made room for). Drops the
-  // lock; returns with the page in flight, or unchanged when another thread
-  // started it meanwhile, or on disk when readahead gave it up (the frame
-  // cost more than reserved and did not fit). The budget is reserved at
+  // lock. Returns the read generation it started (the page may already have
+  // landed, or failed with that failed_gen, by then: the I/O threads run
+  // while the lock is dropped), or 0 when it started none: another thread
+  // started the read meanwhile, or readahead gave it up (the frame cost more
+  // than reserved and did not fit). The budget is reserved at
   // FrameAllocator::footprint before allocating, then charged at the frame's
   // exact footprint. Throws what the allocator or make_room throws.
-  void start_read_locked(Lock& lock, PageId id, bool urgent);
+  std::uint64_t start_read_locked(Lock& lock, PageId id, bool urgent);
   // The rest of a read once the in-flight page has its frame: submits its
   // extents (dropping the lock).
   void submit_read_locked(Lock& lock, PageId id, bool urgent);

@@ -423,6 +423,37 @@ TEST_CASE("pager: a failed read names the page and file, and a retry succeeds") 
   p.release(1);
 }
 
+TEST_CASE("pager: a demand read that lands before its acquire looks again is a fault, not a hit") {
+  // start_read_locked drops the lock to submit; the I/O threads may land
+  // (or fail) a small read before the acquiring thread takes it back. Two
+  // pages through a one-page budget, no readahead: every acquire is a read.
+  // One chunk per read, and a thread contending for the pager's lock, so
+  // that the race happens often.
+  Fixture fx(2, 48, "pager_fast.bin");
+  PagerConfig c = config(1, Policy::lru, 0);
+  c.io_chunk_bytes = kPage;
+  Pager p(c, std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  std::atomic<bool> stop{false};
+  std::thread contender([&] {
+    while (!stop.load()) {
+      (void)p.stats();
+    }
+  });
+  constexpr int kRounds = 5000;
+  for (int i = 0; i < kRounds; ++i) {
+    Frame f = p.acquire(i % 2);
+    CHECK(fx.frame_ok(f, i % 2));
+    p.release(i % 2);
+  }
+  stop = true;
+  contender.join();
+  VmStat st = p.stats();
+  CHECK_EQ(st.pages_read, static_cast<std::uint64_t>(kRounds));
+  CHECK_EQ(st.faults, static_cast<std::uint64_t>(kRounds));
+  CHECK_EQ(st.hits, 0u);
+}
+
 TEST_CASE("pager: a file shorter than its pages is an error, not a crash") {
   auto path = check::pattern_file("pager_trunc.bin", kPage + 100, 47);
   Pager p(config(4, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
