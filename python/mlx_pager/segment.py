@@ -97,48 +97,63 @@ def tail_value_and_grad(
 
 
 class Tail:
-    """Runs tail_value_and_grad, streamed or held.
-
-    Streamed (the tail's pages do not fit together in the page budget), the
-    vjp runs uncompiled: its frozen weights are lazy page reads and custom
-    functions (stream.py), which a compiled graph would not fuse, and on
-    MLX's CPU backend compiling a whole streamed tail made the compiler
-    itself take minutes and hundreds of MB (measured under a 450 MB cgroup
-    cap) for no gain (2.45 s uncompiled vs 2.6 s compiled, 8 blocks).
+    """Runs tail_value_and_grad under mx.compile, held or streamed, as
+    mlx-lm compiles its step: elementwise ops fuse across the forward and
+    the backward, with the model's state as the compiled function's inputs.
+    The results are the same bits.
 
     Held (the pages fit together: step.py binds them for the tail, as
-    ordinary arrays), the vjp runs under mx.compile, with the model's
-    state as the compiled function's inputs, as mlx-lm compiles its step:
-    elementwise ops fuse across the forward and the backward. This is the
-    step with nothing to page, and the fusion is what separated it from
-    mlx-lm's (bench compute shape at 100%: 1.93 s compiled against 2.05 s
-    uncompiled, mlx-lm 2.00 s, same bits). A tail with active dropout runs
-    uncompiled (a compiled graph would freeze its keys), and so does a tail
-    mx.compile cannot trace (dbrx's router evaluates arrays inside a
-    block): the failure is remembered (``uncompiled``)."""
+    ordinary arrays), this is the step with nothing to page, and the fusion
+    is what separated it from mlx-lm's (bench compute shape at 100%: 1.93 s
+    compiled against 2.05 s uncompiled, mlx-lm 2.00 s).
+
+    Streamed (stream.py), the lazy page reads and the streamed layers'
+    custom vjps are traced into the compiled graph like any other op: a
+    page read is a primitive whose one input orders it (its `after`), so a
+    replay of the trace reads the same pages in the same order, after the
+    new step's arrays. The Python that builds the graph (Stream.enter, the
+    custom vjps) runs only when MLX traces: once per start and input
+    shapes; `_stream` is the current step's Stream, for a trace that a new
+    batch shape starts. Bench compute shape, paired runs: 1.98-2.07 s a
+    step compiled against 2.11-2.21 s uncompiled with room for 2 or 4 of 8
+    blocks, 2.10 against 2.15 s with 0.8 (the one-page budget waits a little
+    longer for reads).
+
+    `compile` False: everything uncompiled. The session turns it off on
+    MLX's CPU backend where the memory limit leaves no room for the system
+    compiler that backend's mx.compile runs (jit.tail_compile_refused).
+
+    A tail with active dropout runs uncompiled (a compiled graph would
+    freeze its keys), and so does a tail mx.compile cannot trace (dbrx's
+    router evaluates arrays inside a block): the failure is remembered
+    (``uncompiled``)."""
 
     def __init__(self, model: nn.Module, compile: bool = True):
         self.model, self.compile = model, compile
         self._fns: Dict[tuple, object] = {}
+        self._stream = None  # the Stream a streamed trace builds its reads from
         self.uncompiled: Optional[str] = None  # why mx.compile failed
 
     def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
         dropout = any(k is not None for k in keys[start:])
-        if stream is not None or not self.compile or self.uncompiled is not None or dropout:
+        if not self.compile or self.uncompiled is not None or dropout:
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
-        fn = self._fns.get((start, chunk_bytes))
+        streamed = stream is not None
+        fn = self._fns.get((start, chunk_bytes, streamed))
         if fn is None:
-            model = self.model
+            model, tail = self.model, self
 
-            def held(h, inputs, targets, mask, norm, calls):
+            def compiled(h, inputs, targets, mask, norm, calls):
                 m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm)
-                return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes)
+                st = tail._stream if streamed else None
+                return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes, st)
 
-            fn = self._fns[(start, chunk_bytes)] = mx.compile(held, inputs=[model.state])
+            fn = self._fns[(start, chunk_bytes, streamed)] = mx.compile(compiled, inputs=[model.state])
         # mx.compile swaps every array of model.state (private ones too, e.g.
         # a scaled RoPE's _freqs) for a tracer, and swaps them back only when
         # the trace succeeds.
         before = tree_flatten(self.model.state)
+        self._stream = stream
         try:
             return fn(h, mb.inputs, mb.targets, mb.mask, mb.norm, mb.calls)
         except Exception as e:
@@ -148,7 +163,9 @@ class Tail:
             text = str(e).strip()
             self.uncompiled = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
             self._fns.clear()
-            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes)
+            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
+        finally:
+            self._stream = None
 
 
 def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, chunk_bytes: int) -> int:

@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import placement, segment, step, stream, swapcache
+from . import jit, placement, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_prefixes
@@ -617,6 +617,7 @@ def open_session(
     first_placement = placement.choose(shape, sizes, plan.budget - plan.fixed_without_activations, page_cap)
     gov = Governor(plan, weights.pager, pinned_bytes=weights.resident_bytes + IO_ALIGN)
     weights.pin_resident()
+    uncompiled_tail = jit.tail_compile_refused(plan.budget)
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)
     session = Session(
@@ -626,7 +627,7 @@ def open_session(
         weights=weights,
         plan=plan,
         gov=gov,
-        blocks=step.Blocks(model),
+        blocks=step.Blocks(model, compile_tail=uncompiled_tail is None),
         first_trained=first,
         **simulated_pages(weights),
         seq_len=seq_len,
@@ -647,6 +648,8 @@ def open_session(
         f"activations {format_size(plan.activations)} ({placement.describe(session.placement, L)}), "
         f"fixed {format_size(plan.fixed_without_activations)}."
     )
+    if uncompiled_tail is not None and training:
+        say(f"Note: {uncompiled_tail}.")
     io = weights.pager.stats()
     if io["buffered_files"]:
         say(

@@ -424,15 +424,17 @@ class Blocks:
     graph would freeze the dropout key), and so does a block that mx.compile
     cannot trace (dbrx's router evaluates arrays inside the block): the
     failure is remembered and the block runs as mlx-lm runs it, uncompiled,
-    from then on (``uncompiled`` lists those blocks and why)."""
+    from then on (``uncompiled`` lists those blocks and why). `compile_tail`:
+    the tail segment too (segment.Tail; jit.tail_compile_refused says where
+    its compile does not fit the memory limit)."""
 
-    def __init__(self, model: nn.Module, compile: bool = True):
+    def __init__(self, model: nn.Module, compile: bool = True, compile_tail: bool = True):
         from .segment import Tail
 
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
-        self.tail = Tail(model, compile)  # the no-recompute tail segment (segment.py)
+        self.tail = Tail(model, compile and compile_tail)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
         """fn(*args) compiled; None when the block cannot be compiled (the

@@ -15,6 +15,7 @@ from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 from mlx_lm.tuner.trainer import default_loss, iterate_batches
 
 from mlx_pager import architectures as A
+from mlx_pager import segment
 from mlx_pager import step as S
 from mlx_pager._core import IO_ALIGN
 
@@ -374,6 +375,51 @@ def test_a_streamed_tail_needs_a_page_not_all_of_them(models, tmp_path, arch, bi
         # Every block forward, and the trained ones again backward: no page
         # is kept from its forward to its backward but the last one or two.
         assert L + (L - first) - 2 <= reads <= L + (L - first), reads
+
+
+@pytest.mark.parametrize(
+    "arch, bits, dora, pages", [("llama", None, False, 2), ("qwen3", 4, False, 1), ("llama", None, True, 2)]
+)
+def test_a_streamed_tail_is_compiled_and_bitwise_step_after_step(
+    models, tmp_path, monkeypatch, arch, bits, dora, pages
+):
+    """A streamed tail runs under mx.compile (segment.Tail): its page reads
+    and custom vjps are traced once per input shape and replayed after
+    that, with no Python. Every call (the trace, a replay on the same
+    shape, a new shape's trace) gives mlx-lm's bits, reads each page where
+    the uncompiled tail does, and keeps the pages under the budget."""
+    path = models(arch, bits)
+    b0, b1 = batches(path, 2)
+    ref = reference(path, 3, dora=dora)
+    vg = nn.value_and_grad(ref, default_loss)
+    model, w = paged(path, 3, "in_place", tmp_path, dora=dora)
+    L, first = len(model.layers), S.first_trained_block(model)
+    page = max(w.page_bytes(i) for i in range(L)) + 2 * IO_ALIGN
+    budget = w.resident_bytes + IO_ALIGN + pages * page
+    w.pager.set_budget(budget)
+    w.pager.set_schedule(S.step_pages(w, first, first))
+    blocks = S.Blocks(model)
+    traced = []
+    build = segment.tail_value_and_grad
+    monkeypatch.setattr(segment, "tail_value_and_grad", lambda *a, **k: traced.append(1) or build(*a, **k))
+    for b in (b0, b0, b1):
+        (loss, _), g = vg(ref, *b)
+        mx.eval(loss, g)
+        w.pager.evict_all()
+        w.pager.reset_peak()
+        before = w.pager.stats()
+        losses, _, grads = S.paged_value_and_grad(
+            model, w, [S.MicroBatch.from_batch(*b)], tail_start=first, blocks=blocks
+        )
+        after = w.pager.stats()
+        assert losses[0].item() == loss.item()
+        assert_bitwise(g, grads)
+        assert after["peak_resident_bytes"] <= budget
+        reads = after["pages_read"] - before["pages_read"]
+        assert reads == L if dora else L + (L - first) - 2 <= reads <= L + (L - first), reads
+    assert blocks.tail.uncompiled is None
+    assert [k[2] for k in blocks.tail._fns] == [True], "one compiled streamed tail"
+    assert len(traced) == len({b0[0].shape, b1[0].shape}), "traced once per batch shape, replayed otherwise"
 
 
 @pytest.mark.parametrize("parts", [2, 4])
