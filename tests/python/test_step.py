@@ -250,9 +250,10 @@ def test_a_held_tail_falls_back_to_streaming_when_the_budget_shrank(models, tmp_
 
 
 def test_a_held_tail_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
-    """dbrx's router evaluates arrays inside a block: the held tail's trace
-    fails, segment.Tail remembers why and runs it uncompiled, with mlx-lm's
-    results bit for bit (and the model's arrays as they were)."""
+    """dbrx's router evaluates arrays inside a block: the tail's trace fails,
+    held or streamed (its page reads half built), segment.Tail remembers why
+    and runs it uncompiled, with mlx-lm's results bit for bit (and the
+    model's arrays as they were)."""
     path = A.build("dbrx", "4bit", tmp_path)
     batch = A.sample_batch(path)
     ref = A.reference(path, 2)
@@ -261,13 +262,22 @@ def test_a_held_tail_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
     model, w = A.paged(path, 2, "auto", str(tmp_path / "swap"))
     blocks = S.Blocks(model)
     L = len(model.layers)
-    for _ in range(2):
+    for hold in (True, True, False):
+        # held twice (the failure is remembered), then streamed: a streamed
+        # tail's trace fails the same way, with its page reads half built
         losses, _, pgrads = S.paged_value_and_grad(
-            model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=L - 2, hold_tail=True
+            model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=L - 2, hold_tail=hold
         )
         assert blocks.tail.uncompiled and "eval" in blocks.tail.uncompiled
         assert losses[0].item() == loss.item()
         assert_bitwise(grads, pgrads)
+    fresh = S.Blocks(model)
+    losses, _, pgrads = S.paged_value_and_grad(
+        model, w, [S.MicroBatch.from_batch(*batch)], blocks=fresh, tail_start=L - 2, hold_tail=False
+    )
+    assert fresh.tail.uncompiled and "eval" in fresh.tail.uncompiled
+    assert losses[0].item() == loss.item()
+    assert_bitwise(grads, pgrads)
 
 
 LLAMA3_ROPE = {
