@@ -117,8 +117,10 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     }
     std::uint64_t charged = charged_now();
     if (charged + need <= budget_ || free_frame_for_locked(lock, e.spec.frame_bytes, need) >= 0) {
-      start_read_locked(lock, id, /*urgent=*/false);
-      return e.state != PageState::on_disk;  // on disk: it did not fit
+      // Started (it may have landed, or failed, before this returns), or
+      // started by another thread meanwhile: go on to the next page. Not
+      // started and still on disk: the frame did not fit.
+      return start_read_locked(lock, id, /*urgent=*/false) != 0 || e.state != PageState::on_disk;
     }
     if (drop_free_frame_locked(lock)) {
       drop_graveyard_unlocked(lock);  // free memory: dropping it costs no read

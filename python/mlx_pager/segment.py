@@ -112,9 +112,9 @@ class Tail:
     page read is a primitive whose one input orders it (its `after`), so a
     replay of the trace reads the same pages in the same order, after the
     new step's arrays. The Python that builds the graph (Stream.enter, the
-    custom vjps) runs only when MLX traces: once per start and input
-    shapes; `_stream` is the current step's Stream, for a trace that a new
-    batch shape starts. Bench compute shape, paired runs: 1.98-2.07 s a
+    custom vjps) runs only when MLX traces: once per start, input shapes
+    and constant arguments (the blocks' call arguments); `_stream` is the
+    current step's Stream, for a retrace that a new batch shape starts. Bench compute shape, paired runs: 1.98-2.07 s a
     step compiled against 2.11-2.21 s uncompiled with room for 2 or 4 of 8
     blocks, 2.10 against 2.15 s with 0.8 (the one-page budget waits a little
     longer for reads).

@@ -207,7 +207,8 @@ class _Binding:
 class Stream:
     """Blocks `blocks`' frozen weights as lazy page reads, for one tail
     segment; `enter(i, x)` binds block i's forward reads (after x), once
-    per block per vector-Jacobian product."""
+    per block per vector-Jacobian product that is built (under mx.compile,
+    once per trace: a replay makes the same reads with no Python)."""
 
     def __init__(self, weights, blocks):
         self.weights = weights

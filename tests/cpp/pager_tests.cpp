@@ -417,10 +417,13 @@ TEST_CASE("pager: a failed read names the page and file, and a retry succeeds") 
   CHECK(p.state(1) == PageState::on_disk);
   CHECK_EQ(p.stats().resident_bytes_now, 0u);  // the failed frame was freed
   CHECK(p.stats().read_errors >= 2);
+  CHECK_EQ(p.stats().faults, 2u);  // one read per acquire, however fast it failed
   p.set_fault_injector({});
   Frame f = p.acquire(1);
   CHECK(fx.frame_ok(f, 1));
   p.release(1);
+  CHECK_EQ(p.stats().faults, 3u);
+  CHECK_EQ(p.stats().hits, 0u);
 }
 
 TEST_CASE("pager: a demand read that lands before its acquire looks again is a fault, not a hit") {
