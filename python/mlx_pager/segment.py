@@ -114,8 +114,9 @@ class Tail:
     new step's arrays. The Python that builds the graph (Stream.enter, the
     custom vjps) runs only when MLX traces: once per start, input shapes
     and constant arguments (the blocks' call arguments); `_stream` is the
-    current step's Stream, for a retrace that a new batch shape starts. Bench compute shape, paired runs: 1.98-2.07 s a
-    step compiled against 2.11-2.21 s uncompiled with room for 2 or 4 of 8
+    current step's Stream (None for a held tail), for a retrace that a new
+    batch shape starts. Bench compute shape, paired runs: 1.98-2.07 s a step
+    compiled against 2.11-2.21 s uncompiled with room for 2 or 4 of 8
     blocks, 2.10 against 2.15 s with 0.8 (the one-page budget waits a little
     longer for reads).
 
@@ -131,7 +132,7 @@ class Tail:
     def __init__(self, model: nn.Module, compile: bool = True):
         self.model, self.compile = model, compile
         self._fns: Dict[tuple, object] = {}
-        self._stream = None  # the Stream a streamed trace builds its reads from
+        self._stream = None  # the Stream a streamed trace builds its reads from (None: held)
         self.uncompiled: Optional[str] = None  # why mx.compile failed
 
     def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
@@ -145,8 +146,7 @@ class Tail:
 
             def compiled(h, inputs, targets, mask, norm, calls):
                 m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm)
-                st = tail._stream if streamed else None
-                return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes, st)
+                return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes, tail._stream)
 
             fn = self._fns[(start, chunk_bytes, streamed)] = mx.compile(compiled, inputs=[model.state])
         # mx.compile swaps every array of model.state (private ones too, e.g.
