@@ -49,8 +49,22 @@ void Pager::readahead() {
   }
   int seen = 0;
   std::vector<bool> visited(table_.size(), false);
-  for (std::size_t k = 0; k < schedule_.horizon(cursor_) && seen < readahead_pages_; ++k) {
-    PageId id = schedule_.at(cursor_ + k);
+  std::size_t from = cursor_;
+  for (std::size_t k = 0; k < schedule_.horizon(from) && seen < readahead_pages_; ++k) {
+    if (cursor_ != from) {
+      // An acquire moved the cursor while a read was being started (the
+      // lock is dropped to submit): look again from there. Going on at
+      // cursor_ + k would skip the pages the cursor moved by (the next
+      // page, typically: read then as a fault).
+      from = cursor_;
+      k = 0;
+      seen = 0;
+      std::fill(visited.begin(), visited.end(), false);
+      if (schedule_.horizon(from) == 0) {
+        break;
+      }
+    }
+    PageId id = schedule_.at(from + k);
     if (visited[id]) {
       continue;
     }

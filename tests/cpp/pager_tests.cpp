@@ -457,6 +457,75 @@ TEST_CASE("pager: a demand read that lands before its acquire looks again is a f
   CHECK_EQ(st.hits, 0u);
 }
 
+TEST_CASE("pager: readahead that races an acquire does not skip the pages the cursor moved by") {
+  // readahead() drops the lock to allocate each frame; an acquire meanwhile
+  // moves the schedule's cursor. The pass must look again from the new
+  // cursor: going on at the new cursor + k skipped the next pages (on a
+  // tight budget they were then read as faults, after the pages behind
+  // them had taken the room). Pages of distinct sizes, so the allocator
+  // knows which page it allocates for; ample budget, so readahead never
+  // has a reason to start a page while an earlier one of its window is on
+  // disk.
+  constexpr int kPages = 6;
+  auto bytes_of = [](int i) { return kPage + static_cast<std::uint64_t>(i) * 4096; };
+  auto path = check::pattern_file("pager_ra_race.bin", kPages * 2 * kPage, 53);
+  struct Gated : FrameAllocator {
+    HeapFrameAllocator heap;
+    std::function<void(std::uint64_t)> hook;
+    std::uint64_t footprint(std::uint64_t b) const override { return heap.footprint(b); }
+    Frame allocate(std::uint64_t b, std::function<void()> on_free) override {
+      if (hook) {
+        hook(b);
+      }
+      return heap.allocate(b, std::move(on_free));
+    }
+  };
+  for (int round = 0; round < 20; ++round) {
+    auto alloc = std::make_shared<Gated>();
+    PagerConfig c = config(4 * kPages, Policy::optimal, 3);
+    Pager p(c, alloc);
+    FileId f = p.add_file(path);
+    for (int i = 0; i < kPages; ++i) {
+      PageSpec s;
+      s.name = "block." + std::to_string(i);
+      s.frame_bytes = bytes_of(i);
+      s.extents.push_back(Extent{f, i * 2 * kPage, bytes_of(i), bytes_of(i), 0});
+      p.add_page(std::move(s));
+    }
+    p.acquire(0);  // resident before the schedule
+    p.release(0);
+    std::atomic<int> skipped{0};
+    std::atomic<bool> first{true};
+    std::thread other;
+    alloc->hook = [&](std::uint64_t b) {
+      int page = static_cast<int>((b - kPage) / 4096);
+      for (int q = 0; q < page; ++q) {
+        skipped += p.state(q) == PageState::on_disk;
+      }
+      if (page == 1 && first.exchange(false)) {
+        // The pass is starting page 1: an acquire of page 1 moves the cursor
+        // past it (and waits for its read).
+        other = std::thread([&] {
+          p.acquire(1);
+          p.release(1);
+        });
+        while (p.stats().acquires < 2) {
+          std::this_thread::yield();
+        }
+      }
+    };
+    p.set_schedule({0, 1, 2, 3, 4, 5}, true);  // its readahead pass runs here
+    other.join();
+    for (int i = 0; i < kPages; ++i) {
+      Frame fr = p.acquire(i);  // every page reads back whole
+      CHECK(check::matches_pattern(fr.data, bytes_of(i), 53, i * 2 * kPage));
+      p.release(i);
+    }
+    CHECK_EQ(skipped.load(), 0);
+    alloc->hook = nullptr;
+  }
+}
+
 TEST_CASE("pager: a file shorter than its pages is an error, not a crash") {
   auto path = check::pattern_file("pager_trunc.bin", kPage + 100, 47);
   Pager p(config(4, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
