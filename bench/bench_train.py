@@ -328,8 +328,14 @@ def worker_pager(cfg):
         "peak_rss": vm_hwm(),
         "mlx_peak": max(s["mlx_peak"] for s in steps),
         "budget": p.budget,
-        # the pages' budget the governor gave the pager (--page-budget caps the plan's)
-        "page_budget": p.page_budget if cfg["page_budget"] is None else min(cfg["page_budget"], p.page_budget),
+        # the pages' budget the governor gave the pager for the last step
+        # (--page-budget caps the plan's; the plan moves it as the steps
+        # measure their peaks, after the last step too)
+        "page_budget": res.steps[-1]["page_budget_bytes"]
+        if res.steps
+        else p.page_budget
+        if cfg["page_budget"] is None
+        else min(cfg["page_budget"], p.page_budget),
         "page_footprint": p.max_page,
         "page_footprints": res.page_footprints,
         "block_pages": [list(p) for p in res.block_pages],

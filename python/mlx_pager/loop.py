@@ -394,6 +394,7 @@ def train(
                 "spilled_bytes": probe.get("spilled_bytes", 0),
                 "spill_read_bytes": probe.get("spill_read_bytes", 0),
                 "predicted_peak_bytes": probe["predicted_peak"],
+                "page_budget_bytes": probe["page_budget"],  # the pages' budget it ran with
             }
             result.steps.append(rec)
             cb.on_step(rec)

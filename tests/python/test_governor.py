@@ -302,6 +302,8 @@ def test_memory_the_plan_did_not_count_joins_its_slack(ladder_model, ladder_data
     assert pages3 <= pages2 - grown + (8 << 20)  # the pages made room
     for s in steps[2:]:
         assert s["step_peak_rss_bytes"] <= s["predicted_peak_bytes"], s
+    # each step's record names the page budget it ran with
+    assert [s["page_budget_bytes"] for s in steps] == [hog.pages[i][0] for i in range(1, len(steps) + 1)]
 
 
 class PagesCut(PagerCallback):
@@ -335,6 +337,7 @@ def test_a_held_tail_streams_once_its_pages_no_longer_fit(ladder_model, ladder_d
     res, ad = ladder_run(ladder_model, ladder_data, tmp_path, cb=PagesCut(3, 0.6))
     held = [s["tail_held"] for s in res.steps]
     assert held[:3] == [True, True, False], held
+    assert res.steps[2]["page_budget_bytes"] < res.steps[1]["page_budget_bytes"]
     # streamed: each tail page acquired forward and again backward
     assert res.steps[2]["acquires"] > res.steps[1]["acquires"]
     assert all(s["recomputed_blocks"] == 0 for s in res.steps)
