@@ -38,8 +38,7 @@ _FORMAT = "a number and a unit with no space, e.g. 12GB, 512MB or 1.5GiB (units:
 # else, before a step has measured more (the plan's first slack, and the
 # cache limit's floor). No page frame: the frame the pager keeps for its next
 # read (mlx_frames.h) is one whose free lowered the pager's charge, so it
-# stays within the page budget, and the frames the pager lets go are freed
-# past MLX's cache.
+# stays within the page budget.
 CACHE_SLACK = 48 << 20
 
 
