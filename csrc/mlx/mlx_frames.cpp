@@ -9,7 +9,6 @@
 #include <utility>
 
 #include <mlx/allocator.h>
-#include <mlx/memory.h>
 
 #include "mm/direct_io.h"
 
@@ -24,35 +23,12 @@ struct MlxFrameOwner {
   std::uint64_t data_offset;  // bytes from the buffer's raw_ptr to frame.data
 };
 
-// Serialises set_cache_limit with free_past_cache's window (which lowers the
-// limit and puts it back).
-std::mutex& cache_limit_mutex() {
-  static std::mutex mu;
-  return mu;
-}
-
 }  // namespace
 
-std::size_t set_mlx_cache_limit(std::size_t limit) {
-  std::lock_guard<std::mutex> lock(cache_limit_mutex());
-  return mx::set_cache_limit(limit);
-}
-
-void free_past_cache(void* buffer) {
-  if (buffer == nullptr) {
-    return;
-  }
-  std::lock_guard<std::mutex> lock(cache_limit_mutex());
-  // With the limit at what the cache holds, every backend's free finds the
-  // cache full and gives the buffer back to the system (lowering the limit
-  // below that would also evict cached buffers).
-  std::size_t limit = mx::set_cache_limit(mx::get_cache_memory());
-  mx::allocator::allocator().free(mx::allocator::Buffer(buffer));
-  mx::set_cache_limit(limit);
-}
-
 MlxFrameAllocator::Kept::~Kept() {
-  free_past_cache(buffer);
+  if (buffer != nullptr) {
+    mx::allocator::allocator().free(mx::allocator::Buffer(buffer));
+  }
 }
 
 MlxFrameAllocator::MlxFrameAllocator() : kept_(std::make_shared<Kept>()) {}
@@ -65,7 +41,9 @@ std::uint64_t MlxFrameAllocator::drop_kept() {
     b = std::exchange(kept_->buffer, nullptr);
     n = std::exchange(kept_->size, 0);
   }
-  free_past_cache(b);
+  if (b != nullptr) {
+    mx::allocator::allocator().free(mx::allocator::Buffer(b));
+  }
   return n;
 }
 
@@ -117,7 +95,9 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
       }
     }
   }
-  free_past_cache(stale);
+  if (stale != nullptr) {
+    mlx_alloc.free(mx::allocator::Buffer(stale));
+  }
   if (buf.ptr() == nullptr) {
     buf = mlx_alloc.malloc(request);
   }
@@ -144,7 +124,9 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
               old = std::exchange(kept->buffer, b.ptr());
               kept->size = size;
             }
-            free_past_cache(old);
+            if (old != nullptr) {
+              a.free(mx::allocator::Buffer(old));
+            }
             if (handed_out->load()) {
               on_free();
             }

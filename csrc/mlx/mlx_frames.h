@@ -17,17 +17,8 @@
 // within the page budget: the plan needs no slack for it. Freeing frames to MLX instead costs a
 // fresh mapping (page faults, zeroing) per read, and MLX's own cache keeps a freed frame only when
 // its limit has room, which activations may have taken.
-//
-// A frame that goes (the kept one, replaced) goes past MLX's buffer cache,
-// back to the system: in the cache it would be charged neither to the pager
-// nor to anything the plan sees, and a step whose cache happened to hold one
-// frame peaked one frame above a step whose cache held none (measured: the
-// bench's q4 shape 8.3 MB over its plan at a 2-block budget, its read shape
-// 46 MB in parts). MLX has no call for that, so the limit is lowered to what
-// the cache holds around the free: set_mlx_cache_limit serialises with it.
 #pragma once
 
-#include <cstddef>
 #include <memory>
 #include <mutex>
 
@@ -38,15 +29,6 @@
 namespace mlx_pager {
 
 namespace mx = mlx::core;
-
-// mx::set_cache_limit, serialised with free_past_cache (which lowers the
-// limit for the length of one free and puts it back): set the limit through
-// this while frames may be freed, or the put-back can undo it.
-std::size_t set_mlx_cache_limit(std::size_t limit);
-
-// Frees an MLX allocator buffer (its ptr(); null: nothing) to the system,
-// never into MLX's buffer cache.
-void free_past_cache(void* buffer);
 
 class MlxFrameAllocator : public FrameAllocator {
  public:

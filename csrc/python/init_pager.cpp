@@ -11,7 +11,6 @@
 
 #include <mlx/array.h>
 
-#include "mlx/mlx_frames.h"
 #include "mlx/paged_tensor.h"
 #include "mlx/tensor_pager.h"
 
@@ -89,10 +88,6 @@ void init_pager(nb::module_& m) {
   m.def(
       "trace_now_ns", [] { return TraceRecorder::now_ns(); },
       "Now on the pager's trace clock (steady clock, nanoseconds).");
-  m.def(
-      "set_cache_limit", [](std::size_t limit) { return set_mlx_cache_limit(limit); }, "limit"_a,
-      "mx.set_cache_limit, serialised with the frees that keep page frames out "
-      "of MLX's cache (mlx_frames.h); returns the old limit.");
   nb::exception<BudgetError>(m, "PagerBudgetError", PyExc_MemoryError);
   nb::class_<TensorPager>(
       m, "Pager",

@@ -32,7 +32,6 @@ from typing import Callable, List, Optional
 
 import mlx.core as mx
 
-from ._core import set_cache_limit
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size
 
 
@@ -127,10 +126,8 @@ class Governor:
         if self.margin == 0:
             self.margin = self.plan.margin or self.margin_for(self.plan.budget)
         # MLX's cache of freed buffers (session.place raises the limit where
-        # the step's own buffers may be cached). Through _core: frames it
-        # frees go past the cache by lowering the limit for a moment
-        # (mlx_frames.h), and a limit set beside that must not be undone.
-        set_cache_limit(CACHE_SLACK)
+        # the step's own buffers may be cached).
+        mx.set_cache_limit(CACHE_SLACK)
         mx.set_memory_limit(int(self.plan.budget))
         self.pager.set_budget(int(self.pinned_bytes + self.plan.page_budget))
 

@@ -29,7 +29,6 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import jit, placement, segment, step, stream, swapcache
-from ._core import set_cache_limit
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, process_rss, release_heap
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_prefixes
@@ -226,8 +225,7 @@ class Session:
         # buffers in the cache beside new ones: not there. A tail streaming
         # its pages through a small budget is one graph too: the pager keeps
         # the last frame freed for the next read (mlx_frames.h), within its
-        # budget, and frees the one before past MLX's cache, so the cache
-        # never fills with frames. Except through a
+        # budget, so MLX's cache does not fill with frames. Except through a
         # budget of one frame, where MLX's stream drains before every read
         # (nothing frees the frame before): the buffers it frees then stay in
         # the cache beside the next ones (measured 1.03-1.06x the plan).
@@ -240,7 +238,7 @@ class Session:
         one_frame = streams and page_budget < 2 * max(tail_pages, default=0)
         one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
         cache = CACHE_SLACK + unused + (p.activations if one_graph else 0)
-        set_cache_limit(int(cache))  # with the pager's frees (governor.py)
+        mx.set_cache_limit(int(cache))
         if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
             self.use_step_schedule()
             mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one

@@ -13,7 +13,6 @@
 #include <mlx/mlx.h>
 
 #include "check.h"
-#include "mlx/mlx_frames.h"
 #include "mlx/tensor_pager.h"
 #include "mm/checksum.h"
 #include "mm/safetensors.h"
@@ -238,44 +237,6 @@ TEST_CASE("tensor_pager: a kept frame a page does not fit is freed before its fr
   tp.pager().evict_all();
   tp.frames().drop_kept();
   CHECK(mx::get_active_memory() <= before);
-}
-
-TEST_CASE("tensor_pager: frames that go are given back past MLX's buffer cache") {
-  std::unordered_map<std::string, mx::array> small = {{"w", mx::ones({1024, 1024})}};
-  std::unordered_map<std::string, mx::array> large = {{"w", mx::ones({2048, 1024})}};
-  mx::eval(small.at("w"), large.at("w"));
-  std::string small_path = check::temp_dir() + "/past_small.safetensors";
-  std::string large_path = check::temp_dir() + "/past_large.safetensors";
-  mx::save_safetensors(small_path, small);
-  mx::save_safetensors(large_path, large);
-  small.clear();
-  large.clear();
-  // Room in the cache for every frame: without the bypass each would land there.
-  std::size_t old_limit = set_mlx_cache_limit(64u << 20);
-  mx::clear_cache();
-  TensorPager tp(cfg(16 << 20));
-  PageId a = tp.add_page_in_place("small", from_index(read_safetensors_index(small_path)));
-  PageId b = tp.add_page_in_place("large", from_index(read_safetensors_index(large_path)));
-  tp.acquire(a);
-  tp.release(a);
-  tp.pager().evict_all();  // a's frame: kept
-  std::size_t cached = mx::get_cache_memory();
-  tp.acquire(b);  // the kept 4 MB frame does not fit: freed
-  CHECK(mx::get_cache_memory() <= cached);
-  tp.release(b);
-  tp.pager().evict_all();  // b's frame: kept
-  CHECK(tp.frames().kept_bytes() >= (8u << 20));
-  CHECK(tp.frames().drop_kept() >= (8u << 20));
-  CHECK(mx::get_cache_memory() <= cached);
-  // The limit is back, and other buffers are still cached.
-  CHECK_EQ(set_mlx_cache_limit(64u << 20), std::size_t{64u << 20});
-  {
-    mx::array t = mx::full({1024, 1024}, 3.0f);
-    mx::eval(t);
-  }
-  CHECK(mx::get_cache_memory() >= cached + (4u << 20));
-  mx::clear_cache();
-  set_mlx_cache_limit(old_limit);
 }
 
 TEST_CASE(
