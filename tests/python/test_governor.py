@@ -306,6 +306,30 @@ def test_memory_the_plan_did_not_count_joins_its_slack(ladder_model, ladder_data
     assert [s["page_budget_bytes"] for s in steps] == [hog.pages[i][0] for i in range(1, len(steps) + 1)]
 
 
+def test_the_slack_holds_a_full_cache_beside_the_memory_outside_mlx(ladder_model, ladder_data, tmp_path):
+    """Memory outside MLX that grew after the baseline (32 MB from iteration
+    2 on, less than the slack's room for MLX's cache, so no step's peak goes
+    over): the slack still grows by it, since a later step's cache may be
+    full beside it (a freed page frame there at one step's peak and not at
+    another's)."""
+    from mlx_pager.budget import CACHE_SLACK
+
+    hog = Hog(2, 0)
+    hog_bytes = 32 << 20
+
+    def on_step_begin(iteration, stats, step_begin=hog.on_step_begin):
+        step_begin(iteration, stats)
+        if iteration == hog.at:
+            hog.held = bytearray(b"\x01" * hog_bytes)  # touched: resident
+
+    hog.on_step_begin = on_step_begin
+    res, _ = ladder_run(ladder_model, ladder_data, tmp_path, iters=4, cb=hog)
+    slack3 = hog.pages[3][1]
+    assert slack3 >= CACHE_SLACK + hog_bytes - (4 << 20), (slack3, hog.pages)
+    for s in res.steps[2:]:
+        assert s["step_peak_rss_bytes"] <= s["predicted_peak_bytes"], s
+
+
 class PagesCut(PagerCallback):
     """Cuts the page budget to `fraction` of the held tail's need at the
     start of iteration `at` (as the governor's page_budget rung does)."""
