@@ -324,8 +324,15 @@ def test_the_slack_holds_a_full_cache_beside_the_memory_outside_mlx(ladder_model
 
     hog.on_step_begin = on_step_begin
     res, _ = ladder_run(ladder_model, ladder_data, tmp_path, iters=4, cb=hog)
-    slack3 = hog.pages[3][1]
-    assert slack3 >= CACHE_SLACK + hog_bytes - (4 << 20), (slack3, hog.pages)
+    slack3 = hog.pages[3][1]  # learned from steps 1 and 2
+    grown = hog.session.outside_grown  # memory outside MLX after each step
+    # The measure sees the hog (step to step: from the baseline, the rest of
+    # the memory outside MLX grew by 9 MB here, and by less in a clean
+    # clone's CI run, where 32 MB + 48 MB - 4 MB failed)...
+    assert grown[1] - grown[0] >= hog_bytes // 2, grown
+    # ...and the slack holds a full cache beside it, though no step needed
+    # that (the old rule left it at CACHE_SLACK and 2%: 56.7 MB here).
+    assert slack3 >= CACHE_SLACK + grown[1], (slack3, grown, hog.pages)
     for s in res.steps[2:]:
         assert s["step_peak_rss_bytes"] <= s["predicted_peak_bytes"], s
 
