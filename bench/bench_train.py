@@ -333,9 +333,7 @@ def worker_pager(cfg):
         # measure their peaks, after the last step too)
         "page_budget": res.steps[-1]["page_budget_bytes"]
         if res.steps
-        else p.page_budget
-        if cfg["page_budget"] is None
-        else min(cfg["page_budget"], p.page_budget),
+        else min(p.page_budget, cfg["page_budget"] or p.page_budget),
         "page_footprint": p.max_page,
         "page_footprints": res.page_footprints,
         "block_pages": [list(p) for p in res.block_pages],

@@ -46,6 +46,12 @@ def process_rss() -> int:
         return psutil.Process().memory_info().rss
 
 
+def outside_mlx(rss: int) -> int:
+    """Of a resident set of `rss` bytes, what MLX's buffers do not hold
+    (its active and cached bytes): the process's own memory outside MLX."""
+    return rss - mx.get_active_memory() - mx.get_cache_memory()
+
+
 def reset_peak_rss() -> None:
     """Restarts the kernel's count of this process's peak RSS (VmHWM), where
     the OS allows it (Linux: /proc/self/clear_refs)."""

@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 
 from . import jit, placement, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
-from .governor import Governor, process_rss, release_heap
+from .governor import Governor, outside_mlx, process_rss, release_heap
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -307,7 +307,7 @@ class Session:
         follows: follow_pages). Returns True when the slack changed."""
         again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled)
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
-        self.outside_grown.append(process_rss() - mx.get_active_memory() - mx.get_cache_memory() - self.outside_base)
+        self.outside_grown.append(outside_mlx(process_rss()) - self.outside_base)
         needed = max(self.slack_needed[1:] or self.slack_needed)
         # What a step needed is memory outside MLX plus what MLX's cache held
         # at its peak, and the cache differs from step to step: a page frame
@@ -528,7 +528,7 @@ def open_session(
     # writing one leaves heap behind (given back below), and the budget's
     # minimum must not depend on whether this run wrote it.
     baseline = process_rss()
-    outside_base = baseline - mx.get_active_memory() - mx.get_cache_memory()
+    outside_base = outside_mlx(baseline)
     seq_len = longest_batch(args.max_seq_length, datasets)
     parts_arg = getattr(args, "page_parts", 1)
     if parts_arg == "auto":

@@ -283,8 +283,22 @@ class Hog(PagerCallback):
         s = self.session
         self.pages[iteration] = (s.gov.page_budget, s.plan.slack)
         if iteration == self.at:
-            room = max(0, s.predicted_peak() - s.gov.peak_rss)
-            self.held = bytearray(b"\x01" * (room + self.over))
+            self.held = bytearray(b"\x01" * self.amount(s))
+
+    def amount(self, s) -> int:
+        return max(0, s.predicted_peak() - s.gov.peak_rss) + self.over
+
+
+class FixedHog(Hog):
+    """Holds `nbytes` outside MLX (touched) from iteration `at` on, whatever
+    the room."""
+
+    def __init__(self, at, nbytes):
+        super().__init__(at, 0)
+        self.nbytes = nbytes
+
+    def amount(self, s) -> int:
+        return self.nbytes
 
 
 def test_memory_the_plan_did_not_count_joins_its_slack(ladder_model, ladder_data, tmp_path):
@@ -314,15 +328,8 @@ def test_the_slack_holds_a_full_cache_beside_the_memory_outside_mlx(ladder_model
     another's)."""
     from mlx_pager.budget import CACHE_SLACK
 
-    hog = Hog(2, 0)
     hog_bytes = 32 << 20
-
-    def on_step_begin(iteration, stats, step_begin=hog.on_step_begin):
-        step_begin(iteration, stats)
-        if iteration == hog.at:
-            hog.held = bytearray(b"\x01" * hog_bytes)  # touched: resident
-
-    hog.on_step_begin = on_step_begin
+    hog = FixedHog(2, hog_bytes)
     res, _ = ladder_run(ladder_model, ladder_data, tmp_path, iters=4, cb=hog)
     slack3 = hog.pages[3][1]  # learned from steps 1 and 2
     grown = hog.session.outside_grown  # memory outside MLX after each step
