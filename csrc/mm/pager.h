@@ -297,6 +297,12 @@ class Pager {
   // readahead.cpp
   void readahead();
   bool readahead_one_locked(Lock& lock, PageId id);
+  // Whether MIN, run over the schedule from the cursor on the pages charged
+  // now, evicts page `q` before its next use (so evicting it now costs no
+  // read MIN does not make). Conservative readahead asks this of idle pages
+  // when MIN's own choice is busy, at most kIdleVictimTries of them.
+  bool min_evicts_before_next_use_locked(const Lock& lock, PageId q) const;
+  static constexpr int kIdleVictimTries = 2;
   // The readahead thread's loop: readahead again whenever memory that
   // stopped it (evicted, still referenced) is freed.
   void readahead_on_free();

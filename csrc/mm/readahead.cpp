@@ -191,11 +191,107 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     }
     const Candidate& v = cands[pick];
     if (pick >= evictable || schedule_.next_use(v.id, cursor_) <= when) {
-      return false;  // not evictable yet, or needed no later than this page
+      // MIN's choice is busy, or needed no later than this page. An idle
+      // page that MIN evicts before its next use anyway can go instead: its
+      // read is one MIN makes too, and this read need not wait. (A block
+      // read in parts: the parts of the block in use are MIN's choices, the
+      // previous block's idle parts go before their next use all the same.)
+      std::vector<Candidate> idle;
+      for (std::size_t c = 0; policy_ == Policy::optimal && c < evictable; ++c) {
+        if (schedule_.next_use(cands[c].id, cursor_) > when) {
+          idle.push_back(cands[c]);
+        }
+      }
+      bool evicted = false;
+      for (int tries = 0; tries < kIdleVictimTries && !idle.empty(); ++tries) {
+        std::size_t i = choose_victim(policy_, idle);
+        if (min_evicts_before_next_use_locked(lock, idle[i].id)) {
+          evict_locked(lock, idle[i].id);
+          ++stat_.readahead_idle_evictions;
+          evicted = true;
+          break;
+        }
+        idle.erase(idle.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      if (!evicted) {
+        return false;
+      }
+      drop_graveyard_unlocked(lock);
+      continue;
     }
     evict_locked(lock, v.id);
     drop_graveyard_unlocked(lock);
   }
+}
+
+bool Pager::min_evicts_before_next_use_locked(const Lock& lock, PageId q) const {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
+  std::uint64_t until = schedule_.next_use(q, cursor_);
+  if (until == Schedule::kNever) {
+    return true;  // never used again: no read to save
+  }
+  // MIN over the schedule from the cursor: the pages charged now (any state
+  // but on disk), each access of a page not among them evicting, until it
+  // fits, the page used furthest ahead (lower priority first; ties to the
+  // lower id), pinned pages never.
+  std::vector<PageId> cache;
+  std::vector<std::uint64_t> charge(table_.size(), 0);  // 0: not in `cache`
+  std::uint64_t used = 0;
+  for (PageId id = 0; id < table_.size(); ++id) {
+    const PageEntry& e = table_.at(id);
+    if (e.state != PageState::on_disk) {
+      cache.push_back(id);
+      charge[id] = std::max<std::uint64_t>(
+          1, e.charged != 0 ? e.charged : allocator_->footprint(e.spec.frame_bytes));
+      used += charge[id];
+    }
+  }
+  for (std::uint64_t k = 0; k < until; ++k) {
+    std::size_t pos = cursor_ + static_cast<std::size_t>(k);
+    PageId p = schedule_.at(pos);
+    if (charge[p] != 0) {
+      continue;
+    }
+    std::uint64_t need =
+        std::max<std::uint64_t>(1, allocator_->footprint(table_.at(p).spec.frame_bytes));
+    while (used + need > budget_) {
+      std::size_t best = cache.size();
+      std::uint64_t best_next = 0;
+      for (std::size_t i = 0; i < cache.size(); ++i) {
+        const PageEntry& e = table_.at(cache[i]);
+        if (e.pinned) {
+          continue;
+        }
+        std::uint64_t next = schedule_.next_use(cache[i], pos + 1);
+        if (best == cache.size()) {
+          best = i;
+          best_next = next;
+          continue;
+        }
+        int bp = table_.at(cache[best]).spec.priority;
+        bool before = e.spec.priority != bp ? e.spec.priority < bp
+            : next != best_next             ? next > best_next
+                                            : cache[i] < cache[best];
+        if (before) {
+          best = i;
+          best_next = next;
+        }
+      }
+      if (best == cache.size()) {
+        return false;  // nothing MIN could evict: it keeps q
+      }
+      if (cache[best] == q) {
+        return true;
+      }
+      used -= charge[cache[best]];
+      charge[cache[best]] = 0;
+      cache.erase(cache.begin() + static_cast<std::ptrdiff_t>(best));
+    }
+    cache.push_back(p);
+    charge[p] = need;
+    used += need;
+  }
+  return false;
 }
 
 }  // namespace mlx_pager

@@ -9,25 +9,26 @@
 namespace mlx_pager {
 
 struct VmStat {
-  std::uint64_t acquires = 0;             // acquire() calls
-  std::uint64_t hits = 0;                 // acquire() found the page resident
-  std::uint64_t readahead_hits = 0;       // ... resident or in flight thanks to readahead
-  std::uint64_t faults = 0;               // acquire() had to start the read itself
-  std::uint64_t readahead_reads = 0;      // pages whose read readahead started
-  std::uint64_t evictions = 0;            // pages dropped to make room
-  std::uint64_t read_errors = 0;          // page reads that failed
-  std::uint64_t io_retries = 0;           // chunk reads retried after an error
-  std::uint64_t checksum_errors = 0;      // page reads whose bytes did not match
-  std::uint64_t verified_landing = 0;     // checked reads verified as they landed
-  std::uint64_t moves_early = 0;          // tensor moves (layout.h) done as reads landed
-  std::uint64_t rereads = 0;              // pages read again after a mismatch
-  std::uint64_t pages_rebuilt = 0;        // pages rewritten from the model's files
-  std::uint64_t pages_read = 0;           // page reads completed
-  std::uint64_t bytes_read = 0;           // bytes transferred from files
-  std::uint64_t io_wait_ns = 0;           // time acquire() spent blocked on reads
-  std::uint64_t reclaim_wait_ns = 0;      // time spent waiting for memory to free
-  std::uint64_t resident_bytes_now = 0;   // memory charged to the budget now
-  std::uint64_t peak_resident_bytes = 0;  // most ever charged at once
+  std::uint64_t acquires = 0;                  // acquire() calls
+  std::uint64_t hits = 0;                      // acquire() found the page resident
+  std::uint64_t readahead_hits = 0;            // ... resident or in flight thanks to readahead
+  std::uint64_t faults = 0;                    // acquire() had to start the read itself
+  std::uint64_t readahead_reads = 0;           // pages whose read readahead started
+  std::uint64_t readahead_idle_evictions = 0;  // idle pages MIN evicts anyway, evicted early
+  std::uint64_t evictions = 0;                 // pages dropped to make room
+  std::uint64_t read_errors = 0;               // page reads that failed
+  std::uint64_t io_retries = 0;                // chunk reads retried after an error
+  std::uint64_t checksum_errors = 0;           // page reads whose bytes did not match
+  std::uint64_t verified_landing = 0;          // checked reads verified as they landed
+  std::uint64_t moves_early = 0;               // tensor moves (layout.h) done as reads landed
+  std::uint64_t rereads = 0;                   // pages read again after a mismatch
+  std::uint64_t pages_rebuilt = 0;             // pages rewritten from the model's files
+  std::uint64_t pages_read = 0;                // page reads completed
+  std::uint64_t bytes_read = 0;                // bytes transferred from files
+  std::uint64_t io_wait_ns = 0;                // time acquire() spent blocked on reads
+  std::uint64_t reclaim_wait_ns = 0;           // time spent waiting for memory to free
+  std::uint64_t resident_bytes_now = 0;        // memory charged to the budget now
+  std::uint64_t peak_resident_bytes = 0;       // most ever charged at once
   std::uint64_t pinned_bytes_now = 0;
   std::uint64_t mlocked_bytes_now = 0;  // pinned memory the OS agreed to lock
   std::uint64_t resident_pages_now = 0;

@@ -42,6 +42,7 @@ nb::dict stats_dict(const VmStat& s) {
   d["readahead_hits"] = s.readahead_hits;
   d["faults"] = s.faults;
   d["readahead_reads"] = s.readahead_reads;
+  d["readahead_idle_evictions"] = s.readahead_idle_evictions;
   d["evictions"] = s.evictions;
   d["read_errors"] = s.read_errors;
   d["io_retries"] = s.io_retries;

@@ -13,7 +13,8 @@ during the head, the optimizer update and the next embedding, count):
                cursor), reclaim (reclaim.cpp: make_room, choose_victim with
                priorities, MIN or LRU, ties to the least recently used) and
                readahead (readahead.cpp: the next `readahead` distinct pages
-               of the schedule, MIN's victim or a wait in conservative mode,
+               of the schedule; in conservative mode MIN's victim, else an
+               idle page MIN evicts before its next use anyway, else a wait;
                the next-best victim in aggressive mode). Pinned pages are
                outside the page budget and not modelled.
   the disk     page_io.cpp: a read is split into chunks; `threads` I/O
@@ -49,6 +50,7 @@ MODES = ("conservative", "aggressive")
 # Bytes read may exceed MIN's by this fraction where a policy reads more to
 # overlap (the automatic choice's default cap).
 DEFAULT_EXTRA_READS = 0.10
+IDLE_VICTIM_TRIES = 2  # Pager::kIdleVictimTries
 
 
 class SimBudgetError(MemoryError):
@@ -194,7 +196,15 @@ class _Sim:
         self.charged = 0
         self.t = 0.0
         self.c = dict(
-            acquires=0, hits=0, readahead_hits=0, faults=0, readahead_reads=0, evictions=0, pages_read=0, bytes_read=0
+            acquires=0,
+            hits=0,
+            readahead_hits=0,
+            faults=0,
+            readahead_reads=0,
+            readahead_idle_evictions=0,
+            evictions=0,
+            pages_read=0,
+            bytes_read=0,
         )
         self.io_wait = 0.0
         self.reclaim_wait = 0.0
@@ -360,8 +370,63 @@ class _Sim:
                 continue
             v = cands[pick]
             if pick >= evictable or self.next_use(v.id, self.cursor) <= when:
-                return False
+                # MIN's choice is busy: an idle page MIN evicts before its
+                # next use anyway goes instead (the first of IDLE_VICTIM_TRIES
+                # in victim order), or readahead waits.
+                idle = [c for c in cands[:evictable] if self.optimal and self.next_use(c.id, self.cursor) > when]
+                evicted = False
+                for _ in range(IDLE_VICTIM_TRIES):
+                    if not idle:
+                        break
+                    q = idle.pop(_choose_victim(self.optimal, idle)).id
+                    if self.min_evicts_before_next_use(q):
+                        self.evict(q)
+                        self.c["readahead_idle_evictions"] += 1
+                        evicted = True
+                        break
+                if not evicted:
+                    return False
+                continue
             self.evict(v.id)
+
+    def min_evicts_before_next_use(self, q: int) -> bool:
+        """readahead.cpp's min_evicts_before_next_use_locked: MIN over the
+        schedule from the cursor, on the pages charged now, evicts q before
+        q's next use."""
+        until = self.next_use(q, self.cursor)
+        if until == NEVER:
+            return True
+        cache = [i for i in range(self.n) if self.state[i] != ON_DISK]
+        held = set(cache)
+        used = sum(self.fp[i] for i in cache)
+        for k in range(until):
+            pos = self.cursor + k
+            p = self.order[pos % self.S]
+            if p in held:
+                continue
+            while used + self.fp[p] > self.budget:
+                best = None
+                for i in cache:
+                    if best is None:
+                        best = i
+                        continue
+                    a, b = (
+                        (self.prio[i], -self.next_use(i, pos + 1), i),
+                        (self.prio[best], -self.next_use(best, pos + 1), best),
+                    )
+                    if a < b:
+                        best = i
+                if best is None:
+                    return False
+                if best == q:
+                    return True
+                cache.remove(best)
+                held.discard(best)
+                used -= self.fp[best]
+            cache.append(p)
+            held.add(p)
+            used += self.fp[p]
+        return False
 
     # ---- page_io.cpp ----
     def submit(self, p: int, urgent: bool):

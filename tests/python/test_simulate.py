@@ -117,6 +117,60 @@ def test_simulator_makes_the_real_pagers_decisions(tmp_path, schedule, settings,
     assert real_reads == sim_reads
 
 
+@pytest.mark.parametrize("budget_pages", [2.5, 3.5, 4.5])
+def test_simulator_makes_the_real_pagers_decisions_for_blocks_in_parts(tmp_path, monkeypatch, budget_pages):
+    """As above, with each block's pages held together (a block read in
+    parts): MIN's choice for the next part is then often a page in use, and
+    conservative readahead evicts an idle page MIN evicts before its next use
+    anyway. The real pager and the simulator make the same such evictions,
+    and they read no more pages than without them."""
+    n, steps, parts = 8, 3, 2
+    settings = sim.Settings(2 * parts, "conservative", "optimal")
+    blocks = [tuple(range(b * parts, (b + 1) * parts)) for b in range(n // parts)]
+    accesses = blocks + [tuple(reversed(b)) for b in reversed(blocks[1:])]
+    order = [p for a in accesses for p in a]
+    p, footprints, budget = real_pager(tmp_path, n, budget_pages, settings)
+
+    real = []
+    p.set_schedule(order)
+    settle(p)
+    real.append(("schedule", None, charged(p, n)))
+    for _ in range(steps):
+        for a in accesses:
+            held = []
+            for page in a:
+                held.append(p.acquire(page))
+                settle(p)
+                real.append(("acquire", page, charged(p, n)))
+            del held
+            for page in reversed(a):
+                p.release(page)
+                settle(p)
+                real.append(("release", page, charged(p, n)))
+
+    events = []
+    pred = sim.simulate(
+        [sim.Access(a, hold_s=1.0, gap_s=1.0) for a in accesses],
+        footprints,
+        budget,
+        sim.Disk(rate=1e12),
+        settings,
+        steps=steps,
+        events=events,
+    )
+    assert events == real
+    got = p.stats()
+    for k in ("acquires", "faults", "readahead_reads", "readahead_idle_evictions", "evictions", "pages_read"):
+        assert pred.counters[k] == got[k], k
+    assert got["readahead_idle_evictions"] > 0
+    monkeypatch.setattr(sim, "IDLE_VICTIM_TRIES", 0)
+    waiting = sim.simulate(
+        [sim.Access(a, 1.0, 1.0) for a in accesses], footprints, budget, sim.Disk(1e12), settings, steps
+    )
+    assert waiting.counters["readahead_idle_evictions"] == 0
+    assert got["pages_read"] <= waiting.counters["pages_read"]
+
+
 def test_switching_readahead_mode_at_run_time(tmp_path):
     """set_readahead_mode / set_readahead change a running pager as a pager
     built with those settings behaves (the simulator agrees with both)."""
@@ -151,14 +205,19 @@ def test_switching_readahead_mode_at_run_time(tmp_path):
 # --------------------------------------------------------------- MIN ----
 def test_free_compute_reads_belady_minimum():
     """With compute free and MIN-safe readahead, the pages read per step are
-    Belady's minimum for the byte budget, for uneven page sizes and the
-    step's order: exactly without readahead, and within the one read
-    readahead may move across the window's ends with it."""
+    Belady's minimum for the byte budget and the step's order: exactly
+    without readahead; with it, within the one read readahead may move
+    across the window's ends. Pages of one size: MIN is optimal, so that is
+    what readahead reads. Uneven sizes: evicting the page used furthest
+    ahead until one fits is not optimal, and readahead, which evicts early
+    the idle pages MIN evicts later anyway, may read fewer; never more."""
     rng = random.Random(1)
-    for _ in range(60):
+    fewer = 0
+    for i in range(120):
         L = rng.randint(2, 12)
         first = rng.randint(0, L - 1)
-        fp = [rng.randint(50, 150) << 20 for _ in range(L)]
+        even = i % 2 == 0
+        fp = [100 << 20] * L if even else [rng.randint(50, 150) << 20 for _ in range(L)]
         budget = rng.randint(max(fp), sum(fp) + 1)
         acc = step_accesses(L, first, [0.0] * L, [0.0] * L)
         depth = rng.choice([0, 1, 2, L])
@@ -168,7 +227,12 @@ def test_free_compute_reads_belady_minimum():
         )
         want = sim.min_pages_per_step(acc, fp, budget, steps, warmup)
         tol = 1e-9 if depth == 0 else 1 / (steps - warmup) + 1e-9
-        assert p.pages_read == pytest.approx(want, abs=tol), (L, first, fp, budget, depth)
+        if even or depth == 0:
+            assert p.pages_read == pytest.approx(want, abs=tol), (L, first, fp, budget, depth)
+        else:
+            assert p.pages_read <= want + tol, (L, first, fp, budget, depth)
+            fewer += p.pages_read < want - tol
+    assert fewer < 30  # the exception, not the rule
 
 
 def test_min_pages_per_step_of_a_plain_cycle():
