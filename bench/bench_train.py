@@ -435,7 +435,11 @@ def pager_figures(r, R, R_pager, compute):
     # Pages differ a little in size (in-place pages read through small gaps),
     # so MIN is counted in pages and priced at the mean page read.
     page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else statistics.mean(fp)
-    min_pages = simulate.min_pages_per_step(acc, fp, r["page_budget"], steps=8, warmup=2)
+    # MIN at each step's own page budget (the plan may move it between
+    # steps), the median over the steps the step time is taken from.
+    budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in r["steps"]]
+    at = {b: simulate.min_pages_per_step(acc, fp, b, steps=8, warmup=2) for b in set(budgets)}
+    min_pages = median_after_first([at[b] for b in budgets])
     if not acc:
         raise RuntimeError(f"{r['report']}: no complete training step was recorded")
     depth, mode, policy = r["settings"]  # depth in blocks (--readahead)
