@@ -25,6 +25,8 @@
 // aggressive mode readahead then evicts the next-best page instead (one not
 // needed before the page it reads): more reads than MIN, more overlap.
 #include <algorithm>
+#include <limits>
+#include <queue>
 #include <utility>
 
 #include "mm/bug.h"
@@ -233,63 +235,76 @@ bool Pager::min_evicts_before_next_use_locked(const Lock& lock, PageId q) const 
   // MIN over the schedule from the cursor: the pages charged now (any state
   // but on disk), each access of a page not among them evicting, until it
   // fits, the page used furthest ahead (lower priority first; ties to the
-  // lower id), pinned pages never.
-  std::vector<PageId> cache;
-  std::vector<std::uint64_t> charge(table_.size(), 0);  // 0: not in `cache`
+  // lower id), pinned pages never. The candidates sit in a heap by their
+  // next access (an absolute position; entries go stale when their page is
+  // accessed or evicted): O(accesses x log pages) for the whole run.
+  constexpr std::uint64_t kFar = std::numeric_limits<std::uint64_t>::max();
+  auto next_at = [&](PageId id, std::size_t pos) {  // id's next access at or after pos
+    std::uint64_t d = schedule_.next_use(id, pos);
+    return d == Schedule::kNever ? kFar : static_cast<std::uint64_t>(pos) + d;
+  };
+  struct Entry {
+    int priority;
+    std::uint64_t next;
+    PageId id;
+  };
+  auto later = [](const Entry& a, const Entry& b) {  // a is evicted after b
+    if (a.priority != b.priority) {
+      return a.priority > b.priority;
+    }
+    if (a.next != b.next) {
+      return a.next < b.next;
+    }
+    return a.id > b.id;
+  };
+  std::priority_queue<Entry, std::vector<Entry>, decltype(later)> heap(later);
+  std::vector<std::uint64_t> charge(table_.size(), 0);  // 0: not in MIN's memory
+  std::vector<std::uint64_t> next(table_.size(), 0);
   std::uint64_t used = 0;
+  auto admit = [&](PageId id, std::size_t pos) {
+    const PageEntry& e = table_.at(id);
+    if (!e.pinned) {
+      next[id] = next_at(id, pos);
+      heap.push(Entry{e.spec.priority, next[id], id});
+    }
+  };
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
     if (e.state != PageState::on_disk) {
-      cache.push_back(id);
       charge[id] = std::max<std::uint64_t>(
           1, e.charged != 0 ? e.charged : allocator_->footprint(e.spec.frame_bytes));
       used += charge[id];
+      admit(id, cursor_);
     }
   }
   for (std::uint64_t k = 0; k < until; ++k) {
     std::size_t pos = cursor_ + static_cast<std::size_t>(k);
     PageId p = schedule_.at(pos);
     if (charge[p] != 0) {
+      admit(p, pos + 1);  // a hit: its next access moves on
       continue;
     }
     std::uint64_t need =
         std::max<std::uint64_t>(1, allocator_->footprint(table_.at(p).spec.frame_bytes));
     while (used + need > budget_) {
-      std::size_t best = cache.size();
-      std::uint64_t best_next = 0;
-      for (std::size_t i = 0; i < cache.size(); ++i) {
-        const PageEntry& e = table_.at(cache[i]);
-        if (e.pinned) {
-          continue;
-        }
-        std::uint64_t next = schedule_.next_use(cache[i], pos + 1);
-        if (best == cache.size()) {
-          best = i;
-          best_next = next;
-          continue;
-        }
-        int bp = table_.at(cache[best]).spec.priority;
-        bool before = e.spec.priority != bp ? e.spec.priority < bp
-            : next != best_next             ? next > best_next
-                                            : cache[i] < cache[best];
-        if (before) {
-          best = i;
-          best_next = next;
-        }
+      while (!heap.empty() &&
+             (charge[heap.top().id] == 0 || heap.top().next != next[heap.top().id])) {
+        heap.pop();  // stale
       }
-      if (best == cache.size()) {
+      if (heap.empty()) {
         return false;  // nothing MIN could evict: it keeps q
       }
-      if (cache[best] == q) {
+      PageId v = heap.top().id;
+      heap.pop();
+      if (v == q) {
         return true;
       }
-      used -= charge[cache[best]];
-      charge[cache[best]] = 0;
-      cache.erase(cache.begin() + static_cast<std::ptrdiff_t>(best));
+      used -= charge[v];
+      charge[v] = 0;
     }
-    cache.push_back(p);
     charge[p] = need;
     used += need;
+    admit(p, pos + 1);
   }
   return false;
 }

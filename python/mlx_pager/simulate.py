@@ -36,6 +36,7 @@ bound every policy is measured against.
 from __future__ import annotations
 
 import bisect
+import heapq
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -210,6 +211,7 @@ class _Sim:
         self.reclaim_wait = 0.0
         self.reads: List[Read] = []
         self._read_of: Dict[int, Read] = {}
+        self._min_memo: Dict[tuple, bool] = {}
         # the disk
         self.disk = disk
         self.urgent_q: deque = deque()
@@ -392,40 +394,59 @@ class _Sim:
     def min_evicts_before_next_use(self, q: int) -> bool:
         """readahead.cpp's min_evicts_before_next_use_locked: MIN over the
         schedule from the cursor, on the pages charged now, evicts q before
-        q's next use."""
+        q's next use. Candidates in a heap by next access (absolute
+        positions; stale entries skipped), evicted lower priority first, then
+        furthest next access, then lower id."""
         until = self.next_use(q, self.cursor)
         if until == NEVER:
             return True
-        cache = [i for i in range(self.n) if self.state[i] != ON_DISK]
-        held = set(cache)
-        used = sum(self.fp[i] for i in cache)
+        # Steps repeat their states: the answer for a state seen before.
+        key = (self.cursor, q, tuple(i for i in range(self.n) if self.state[i] != ON_DISK))
+        if key not in self._min_memo:
+            self._min_memo[key] = self._min_evicts(q, until)
+        return self._min_memo[key]
+
+    def _min_evicts(self, q: int, until: int) -> bool:
+        far = 1 << 62
+
+        def next_at(page, pos):
+            d = self.next_use(page, pos)
+            return far if d == NEVER else pos + d
+
+        heap: list = []
+        charge = [0] * self.n
+        nxt = [0] * self.n
+        used = 0
+
+        def admit(page, pos):
+            nxt[page] = next_at(page, pos)
+            heapq.heappush(heap, (self.prio[page], -nxt[page], page))
+
+        for i in range(self.n):
+            if self.state[i] != ON_DISK:
+                charge[i] = max(1, self.fp[i])
+                used += charge[i]
+                admit(i, self.cursor)
         for k in range(until):
             pos = self.cursor + k
             p = self.order[pos % self.S]
-            if p in held:
+            if charge[p]:
+                admit(p, pos + 1)
                 continue
-            while used + self.fp[p] > self.budget:
-                best = None
-                for i in cache:
-                    if best is None:
-                        best = i
-                        continue
-                    a, b = (
-                        (self.prio[i], -self.next_use(i, pos + 1), i),
-                        (self.prio[best], -self.next_use(best, pos + 1), best),
-                    )
-                    if a < b:
-                        best = i
-                if best is None:
+            need = max(1, self.fp[p])
+            while used + need > self.budget:
+                while heap and (charge[heap[0][2]] == 0 or -heap[0][1] != nxt[heap[0][2]]):
+                    heapq.heappop(heap)
+                if not heap:
                     return False
-                if best == q:
+                v = heapq.heappop(heap)[2]
+                if v == q:
                     return True
-                cache.remove(best)
-                held.discard(best)
-                used -= self.fp[best]
-            cache.append(p)
-            held.add(p)
-            used += self.fp[p]
+                used -= charge[v]
+                charge[v] = 0
+            charge[p] = need
+            used += need
+            admit(p, pos + 1)
         return False
 
     # ---- page_io.cpp ----

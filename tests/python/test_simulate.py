@@ -171,6 +171,59 @@ def test_simulator_makes_the_real_pagers_decisions_for_blocks_in_parts(tmp_path,
     assert got["pages_read"] <= waiting.counters["pages_read"]
 
 
+def _min_evicts_brute(s, q):
+    """min_evicts_before_next_use the slow way: at each miss, scan every
+    page in MIN's memory for the one to evict."""
+    until = s.next_use(q, s.cursor)
+    if until == sim.NEVER:
+        return True
+    cache = [i for i in range(s.n) if s.state[i] != sim.ON_DISK]
+    used = sum(s.fp[i] for i in cache)
+    for k in range(until):
+        pos = s.cursor + k
+        p = s.order[pos % s.S]
+        if p in cache:
+            continue
+        while used + s.fp[p] > s.budget:
+            if not cache:
+                return False
+            v = min(cache, key=lambda c: (s.prio[c], -s.next_use(c, pos + 1), c))
+            if v == q:
+                return True
+            cache.remove(v)
+            used -= s.fp[v]
+        cache.append(p)
+        used += s.fp[p]
+    return False
+
+
+def test_min_evicts_before_next_use_is_min_run_on():
+    """The idle-eviction check (a heap of next accesses) against MIN run on
+    the slow way, on random schedules, page sizes, priorities, budgets,
+    cursors and pages in memory."""
+    rng = random.Random(7)
+    checked = evicted = 0
+    for _ in range(300):
+        n = rng.randint(2, 10)
+        order = [rng.randrange(n) for _ in range(rng.randint(n, 3 * n))]
+        fp = [rng.randint(1, 4) for _ in range(n)]
+        prio = [rng.choice([0, 0, 0, 1]) for _ in range(n)]
+        s = sim._Sim(order, fp, fp, rng.randint(max(fp), sum(fp)), sim.Disk(1e9), sim.Settings(), prio)
+        s.cursor = rng.randrange(len(order))
+        charged = 0
+        for i in rng.sample(range(n), n):
+            if charged + fp[i] <= s.budget and rng.random() < 0.6:
+                s.state[i] = sim.RESIDENT
+                charged += fp[i]
+        for q in range(n):
+            if s.state[q] == sim.RESIDENT:
+                got = s.min_evicts_before_next_use(q)
+                assert got == _min_evicts_brute(s, q), (order, fp, prio, s.budget, s.cursor, s.state, q)
+                checked += 1
+                evicted += got
+    assert checked > 500 and 0 < evicted < checked
+
+
 def test_switching_readahead_mode_at_run_time(tmp_path):
     """set_readahead_mode / set_readahead change a running pager as a pager
     built with those settings behaves (the simulator agrees with both)."""
