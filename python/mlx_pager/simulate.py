@@ -854,13 +854,19 @@ class AutoReadahead:
     per-block compute (on_block marks less the pager's waits), the page
     budget, and the read rate of the files the pager reads (measured once,
     read_rate_for_session), and sets them on the pager (tune_readahead). It
-    chooses again after a later step when the page budget or the step's
-    schedule changed (the tail's placement); never once the governor has
-    degraded, nor while checkpoints are spilled through the pager.
+    chooses again after a later step when the step's schedule changed (the
+    tail's placement) or the page budget moved by more than BUDGET_MOVE
+    since the last choice (the plan moves it a little after most steps as
+    it learns; each choice simulates the step a few dozen times, seconds on
+    a large model); never once the governor has degraded, nor while
+    checkpoints are spilled through the pager.
 
     A callback object for the trainer's Callbacks (it has the hooks it needs:
     on_session, on_step_begin, on_block, on_step). `say(text)`: told each
-    choice. `rate`: bytes/s, to skip the measurement (tests)."""
+    choice that differs from the last one told. `rate`: bytes/s, to skip the
+    measurement (tests)."""
+
+    BUDGET_MOVE = 0.02
 
     def __init__(self, after: int = 2, say=None, rate: Optional[float] = None, max_extra=DEFAULT_EXTRA_READS):
         self.after, self.say, self.rate, self.max_extra = after, say, rate, max_extra
@@ -869,7 +875,18 @@ class AutoReadahead:
         self.chosen: Optional[Prediction] = None
         self._start = None
         self._marks: List[BlockMark] = []
-        self._key = None
+        self._key = None  # (page budget, schedule) of the last choice
+        self._said: Optional[Settings] = None
+
+    def needs_choice(self, budget: int, schedule: tuple) -> bool:
+        """Whether a step with this page budget and schedule (its accesses'
+        pages) calls for a new choice; remembers them when it does."""
+        if self._key is not None:
+            last_budget, last_schedule = self._key
+            if schedule == last_schedule and abs(budget - last_budget) <= self.BUDGET_MOVE * last_budget:
+                return False
+        self._key = (budget, schedule)
+        return True
 
     @staticmethod
     def _waited(stats) -> float:
@@ -909,10 +926,8 @@ class AutoReadahead:
             self._marks, start, end, s.block_pages, s.tail_back_pages, bool(record.get("tail_held"))
         )
         budget = int(s.gov.page_budget)
-        key = (budget, tuple(a.pages for a in acc))
-        if key == self._key:
+        if not self.needs_choice(budget, tuple(a.pages for a in acc)):
             return
-        self._key = key
         if self.rate is None:
             files = sorted(Path(s.weights.model_path).glob("model*.safetensors"))
             if getattr(s.weights, "swap_path", None):
@@ -930,7 +945,8 @@ class AutoReadahead:
             self.max_extra,
             unit=unit,
         )
-        if self.say is not None:
+        if self.say is not None and self.chosen.settings != self._said:
+            self._said = self.chosen.settings
             p = self.chosen
             depth = p.settings.readahead / unit
             self.say(

@@ -450,6 +450,18 @@ def test_read_rate_of_a_file(tmp_path):
 
 
 # ------------------------------------------------ the trainer's choice ----
+def test_auto_readahead_chooses_again_when_the_budget_or_schedule_moves():
+    auto = sim.AutoReadahead()
+    a, b = ((0,), (1,), (1,), (0,)), ((0,), (1,), (0,))
+    assert auto.needs_choice(1000, a)  # the first step it sees
+    assert not auto.needs_choice(1000, a)
+    assert not auto.needs_choice(1015, a)  # the plan moved the budget a little
+    assert not auto.needs_choice(985, a)  # against the budget last chosen for
+    assert auto.needs_choice(1030, a)  # more than BUDGET_MOVE
+    assert not auto.needs_choice(1010, a)
+    assert auto.needs_choice(1030, b)  # another schedule (the tail's placement)
+
+
 def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
     """As a trainer callback: after the second step it sets the running
     pager's readahead depth and mode from that step, and the run goes on."""
