@@ -643,9 +643,9 @@ def bench_one(name, shape, a, out_dir):
     if shape.get("naive", True):
         go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru", page_parts=1)
     if "mlx-lm" in results:
-        # Resident again, last: the machine's speed drifts during a run (up
-        # to 15% between the first and last rows of a shape here), and the
-        # ratios to resident take the mean of the two.
+        # Resident again, last: the machine's speed drifts during a run (8-20%
+        # between the first and last rows of a shape here), and the ratios
+        # to resident take the mean of the two.
         go("mlx-lm again", kind="mlx-lm", grad_checkpoint=False)
     measure_rate()
     R_pager = statistics.median(own_rates)

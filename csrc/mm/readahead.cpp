@@ -173,39 +173,33 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
       return false;
     }
     std::size_t pick = choose_victim(policy_, cands);
-    if (readahead_aggressive_ &&
-        (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when)) {
-      // Aggressive mode: MIN's choice is busy, so take the best victim that
-      // is evictable now and not needed before this page. It may cost a
-      // read MIN would not make, and buys overlap when the budget is small.
-      std::vector<Candidate> ok;
-      for (std::size_t c = 0; c < evictable; ++c) {
-        if (schedule_.next_use(cands[c].id, cursor_) > when) {
-          ok.push_back(cands[c]);
-        }
-      }
-      if (ok.empty()) {
-        return false;
-      }
-      evict_locked(lock, ok[choose_victim(policy_, ok)].id);
-      drop_graveyard_unlocked(lock);
-      continue;
-    }
-    const Candidate& v = cands[pick];
-    if (pick >= evictable || schedule_.next_use(v.id, cursor_) <= when) {
-      // MIN's choice is busy, or needed no later than this page. An idle
-      // page that MIN evicts before its next use anyway can go instead: its
-      // read is one MIN makes too, and this read need not wait. (A block
-      // read in parts: the parts of the block in use are MIN's choices, the
-      // previous block's idle parts go before their next use all the same.)
+    if (pick >= evictable || schedule_.next_use(cands[pick].id, cursor_) <= when) {
+      // MIN's choice is busy, or needed no later than this page. The idle
+      // pages not needed before it:
       std::vector<Candidate> idle;
-      for (std::size_t c = 0; policy_ == Policy::optimal && c < evictable; ++c) {
+      for (std::size_t c = 0; c < evictable; ++c) {
         if (schedule_.next_use(cands[c].id, cursor_) > when) {
           idle.push_back(cands[c]);
         }
       }
+      if (readahead_aggressive_) {
+        // Aggressive mode: the best of them. It may cost a read MIN would
+        // not make, and buys overlap when the budget is small.
+        if (idle.empty()) {
+          return false;
+        }
+        evict_locked(lock, idle[choose_victim(policy_, idle)].id);
+        drop_graveyard_unlocked(lock);
+        continue;
+      }
+      // Conservative: one that MIN evicts before its next use anyway can go
+      // instead: its read is one MIN makes too, and this read need not
+      // wait. (A block read in parts: the parts of the block in use are
+      // MIN's choices, the previous block's idle parts go before their next
+      // use all the same.) Else wait.
       bool evicted = false;
-      for (int tries = 0; tries < kIdleVictimTries && !idle.empty(); ++tries) {
+      for (int tries = 0; policy_ == Policy::optimal && tries < kIdleVictimTries && !idle.empty();
+           ++tries) {
         std::size_t i = choose_victim(policy_, idle);
         if (min_evicts_before_next_use_locked(lock, idle[i].id)) {
           evict_locked(lock, idle[i].id);
@@ -221,7 +215,7 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
       drop_graveyard_unlocked(lock);
       continue;
     }
-    evict_locked(lock, v.id);
+    evict_locked(lock, cands[pick].id);
     drop_graveyard_unlocked(lock);
   }
 }

@@ -364,20 +364,20 @@ class _Sim:
             if not cands:
                 return False
             pick = _choose_victim(self.optimal, cands)
-            if self.aggressive and (pick >= evictable or self.next_use(cands[pick].id, self.cursor) <= when):
-                ok = [c for c in cands[:evictable] if self.next_use(c.id, self.cursor) > when]
-                if not ok:
-                    return False
-                self.evict(ok[_choose_victim(self.optimal, ok)].id)
-                continue
-            v = cands[pick]
-            if pick >= evictable or self.next_use(v.id, self.cursor) <= when:
-                # MIN's choice is busy: an idle page MIN evicts before its
-                # next use anyway goes instead (the first of IDLE_VICTIM_TRIES
-                # in victim order), or readahead waits.
-                idle = [c for c in cands[:evictable] if self.optimal and self.next_use(c.id, self.cursor) > when]
+            if pick >= evictable or self.next_use(cands[pick].id, self.cursor) <= when:
+                # MIN's choice is busy, or needed no later than this page: the
+                # idle pages not needed before it. Aggressive: the best of
+                # them. Conservative: the first (of IDLE_VICTIM_TRIES, in
+                # victim order) that MIN evicts before its next use anyway,
+                # else wait.
+                idle = [c for c in cands[:evictable] if self.next_use(c.id, self.cursor) > when]
+                if self.aggressive:
+                    if not idle:
+                        return False
+                    self.evict(idle[_choose_victim(self.optimal, idle)].id)
+                    continue
                 evicted = False
-                for _ in range(IDLE_VICTIM_TRIES):
+                for _ in range(IDLE_VICTIM_TRIES if self.optimal else 0):
                     if not idle:
                         break
                     q = idle.pop(_choose_victim(self.optimal, idle)).id
@@ -389,7 +389,7 @@ class _Sim:
                 if not evicted:
                     return False
                 continue
-            self.evict(v.id)
+            self.evict(cands[pick].id)
 
     def min_evicts_before_next_use(self, q: int) -> bool:
         """readahead.cpp's min_evicts_before_next_use_locked: MIN over the

@@ -53,6 +53,46 @@ def charged(p, n):
     return frozenset(i for i in range(n) if p.page_state(i) != "on_disk")
 
 
+def run_real(p, n, accesses, steps):
+    """Runs `steps` steps of `accesses` (each a tuple of pages, acquired in
+    order and held together, released in reverse) on the real pager `p`,
+    waiting for reads to land after each call. Returns the events as
+    simulate(events=...) records them."""
+    real = []
+    p.set_schedule([page for a in accesses for page in a])
+    settle(p)
+    real.append(("schedule", None, charged(p, n)))
+    for _ in range(steps):
+        for a in accesses:
+            held = []
+            for page in a:
+                held.append(p.acquire(page))
+                settle(p)
+                real.append(("acquire", page, charged(p, n)))
+            del held
+            for page in reversed(a):
+                p.release(page)
+                settle(p)
+                real.append(("release", page, charged(p, n)))
+    return real
+
+
+def run_sim(accesses, footprints, budget, settings, steps):
+    """The simulator on the same accesses, each read landing before the next
+    event: its prediction and its events."""
+    events = []
+    pred = sim.simulate(
+        [sim.Access(a, hold_s=1.0, gap_s=1.0) for a in accesses],
+        footprints,
+        budget,
+        sim.Disk(rate=1e12),
+        settings,
+        steps=steps,
+        events=events,
+    )
+    return pred, events
+
+
 SCHEDULES = {
     "train": lambda rng, n: list(range(n)) + list(range(n - 1, n // 3 - 1, -1)),
     "random": lambda rng, n: [rng.randrange(n) for _ in range(2 * n)],
@@ -82,31 +122,9 @@ def test_simulator_makes_the_real_pagers_decisions(tmp_path, schedule, settings,
     rng = random.Random(hash((schedule, budget_pages)) & 0xFFFF)
     order = SCHEDULES[schedule](rng, n)
     p, footprints, budget = real_pager(tmp_path, n, budget_pages, settings)
-
-    real = []
-    p.set_schedule(order)
-    settle(p)
-    real.append(("schedule", None, charged(p, n)))
-    for _ in range(steps):
-        for page in order:
-            arrays = p.acquire(page)
-            del arrays
-            settle(p)
-            real.append(("acquire", page, charged(p, n)))
-            p.release(page)
-            settle(p)
-            real.append(("release", page, charged(p, n)))
-
-    events = []
-    pred = sim.simulate(
-        [sim.Access((page,), hold_s=1.0, gap_s=1.0) for page in order],
-        footprints,
-        budget,
-        sim.Disk(rate=1e12),
-        settings,
-        steps=steps,
-        events=events,
-    )
+    accesses = [(page,) for page in order]
+    real = run_real(p, n, accesses, steps)
+    pred, events = run_sim(accesses, footprints, budget, settings, steps)
     assert events == real
     got = p.stats()
     for k in ("acquires", "hits", "readahead_hits", "faults", "readahead_reads", "evictions", "pages_read"):
@@ -128,45 +146,16 @@ def test_simulator_makes_the_real_pagers_decisions_for_blocks_in_parts(tmp_path,
     settings = sim.Settings(2 * parts, "conservative", "optimal")
     blocks = [tuple(range(b * parts, (b + 1) * parts)) for b in range(n // parts)]
     accesses = blocks + [tuple(reversed(b)) for b in reversed(blocks[1:])]
-    order = [p for a in accesses for p in a]
     p, footprints, budget = real_pager(tmp_path, n, budget_pages, settings)
-
-    real = []
-    p.set_schedule(order)
-    settle(p)
-    real.append(("schedule", None, charged(p, n)))
-    for _ in range(steps):
-        for a in accesses:
-            held = []
-            for page in a:
-                held.append(p.acquire(page))
-                settle(p)
-                real.append(("acquire", page, charged(p, n)))
-            del held
-            for page in reversed(a):
-                p.release(page)
-                settle(p)
-                real.append(("release", page, charged(p, n)))
-
-    events = []
-    pred = sim.simulate(
-        [sim.Access(a, hold_s=1.0, gap_s=1.0) for a in accesses],
-        footprints,
-        budget,
-        sim.Disk(rate=1e12),
-        settings,
-        steps=steps,
-        events=events,
-    )
+    real = run_real(p, n, accesses, steps)
+    pred, events = run_sim(accesses, footprints, budget, settings, steps)
     assert events == real
     got = p.stats()
     for k in ("acquires", "faults", "readahead_reads", "readahead_idle_evictions", "evictions", "pages_read"):
         assert pred.counters[k] == got[k], k
     assert got["readahead_idle_evictions"] > 0
     monkeypatch.setattr(sim, "IDLE_VICTIM_TRIES", 0)
-    waiting = sim.simulate(
-        [sim.Access(a, 1.0, 1.0) for a in accesses], footprints, budget, sim.Disk(1e12), settings, steps
-    )
+    waiting, _ = run_sim(accesses, footprints, budget, settings, steps)
     assert waiting.counters["readahead_idle_evictions"] == 0
     assert got["pages_read"] <= waiting.counters["pages_read"]
 
