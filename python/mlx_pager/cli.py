@@ -101,8 +101,9 @@ def _lora_parser() -> argparse.ArgumentParser:
             )
         elif action.dest == "grad_checkpoint":
             action.help = (
-                "Accepted for compatibility: mlx-pager plans per step which blocks keep their graph, "
-                "are checkpointed and recomputed, or spill their checkpoints to the SSD."
+                "Checkpoint and recompute every trained block, as mlx_lm.lora does (the plan may still "
+                "split the batch or spill checkpoints to the SSD). Without it mlx-pager plans per step "
+                "which blocks keep their graph and which are recomputed, usually faster."
             )
     g = _paging_flags(
         parser,
@@ -149,11 +150,6 @@ def lora_main(argv) -> int:
         for k, v in (loaded or {}).items():
             if args.get(k) is None:
                 args[k] = v
-    if args.get("grad_checkpoint"):
-        print(
-            "note: --grad-checkpoint is not needed with mlx-pager: blocks are always checkpointed and recomputed",
-            file=sys.stderr,
-        )
     for k, v in DEFAULTS.items():
         if args.get(k) is None:
             args[k] = v

@@ -115,7 +115,9 @@ class Session:
     shape: Optional[placement.Step] = None
     placement: Optional[placement.Placement] = None
     page_cap: Optional[int] = None  # --page-budget: pages never get more
-    ceiling: Optional[placement.Placement] = None  # set by the ladder (replan)
+    # No placement with a longer tail, fewer spilled blocks or fewer parts:
+    # set by the ladder (replan), or from the start by --grad-checkpoint.
+    ceiling: Optional[placement.Placement] = None
     spill: Optional[object] = None  # spill.SpillStore, once a placement spills
     live: Optional[dict] = None  # the running step's probe (step.paged_value_and_grad)
     # Per step: what the plan's slack had to hold (learn_peak).
@@ -607,6 +609,14 @@ def open_session(
         except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
             say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
         release_heap()
+    # --grad-checkpoint keeps mlx-lm's meaning: every trained block is
+    # checkpointed and recomputed in the backward sweep (no block keeps its
+    # graph from the forward). The planner may still split the batch or
+    # spill checkpoints where the budget needs it. Without the flag it
+    # chooses per step (placement.choose), usually faster.
+    ceiling = None
+    if training and first < L and getattr(args, "grad_checkpoint", False):
+        ceiling = placement.evaluate(shape, sizes, L, 1)
     page_cap = None
     if args.page_budget is not None:
         # Benchmarks and tests: exactly this many bytes of pages, besides
@@ -622,7 +632,8 @@ def open_session(
             except Exception as e:  # as for the block probe: the formula plans
                 say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")
             release_heap()
-        plan.activations = placement.evaluate(shape, sizes, shape.first_trained, 1).activations
+        fastest = ceiling if ceiling is not None else placement.evaluate(shape, sizes, shape.first_trained, 1)
+        plan.activations = fastest.activations
         plan.budget = plan.fixed + page_cap
         plan.margin = Governor.margin_for(plan.budget)
         plan.budget = plan.fixed + page_cap
@@ -632,7 +643,9 @@ def open_session(
     if budget_error is not None:
         raise BudgetError(f"{budget_error} This run needs at least {format_size(plan.minimum)} ({plan.breakdown()}).")
     plan.check()
-    first_placement = placement.choose(shape, sizes, plan.budget - plan.fixed_without_activations, page_cap)
+    first_placement = placement.choose(
+        shape, sizes, plan.budget - plan.fixed_without_activations, page_cap, ceiling=ceiling
+    )
     gov = Governor(plan, weights.pager, pinned_bytes=weights.resident_bytes + IO_ALIGN)
     weights.pin_resident()
     uncompiled_tail = jit.tail_compile_refused(plan.budget)
@@ -652,6 +665,7 @@ def open_session(
         sizes=sizes,
         shape=shape,
         page_cap=page_cap,
+        ceiling=ceiling,
         outside_base=outside_base,
     )
     session.place(first_placement or least)

@@ -93,6 +93,19 @@ def test_grad_accumulation_and_mask_prompt_match_mlx_lm(models, tmp_path):
     assert res.steps[-1]["recomputed_blocks"] == 0 and res.steps[-1]["tail_held"]
 
 
+def test_grad_checkpoint_recomputes_every_trained_block_as_mlx_lm_does(models, train_only_data, tmp_path):
+    """--grad-checkpoint keeps mlx-lm's meaning: every step checkpoints and
+    recomputes every trained block (no no-recompute tail, which the planner
+    picks without it at this budget), and the adapters are mlx_lm.lora
+    --grad-checkpoint's bit for bit."""
+    ref, got, res = both(models("llama", None), train_only_data, tmp_path, iters=4, grad_checkpoint=True)
+    assert_same_adapters(ref, got)
+    L = 4  # the test model's blocks; the last num_layers=2 are trained
+    assert all(s["tail_start"] == L and s["recomputed_blocks"] == 2 for s in res.steps)
+    # each step: 4 blocks forward, 2 recomputed and back
+    assert all(s["acquires"] == L + 2 for s in res.steps)
+
+
 def test_chat_data_with_validation(models, tmp_path):
     data = tmp_path / "chat"
     recs = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
