@@ -27,7 +27,14 @@ length, each configuration in its own process (so peak RSS is its own):
                    automatic choice the trainer makes without --readahead)
   naive            layer streaming (the AirLLM approach) through the same code
                    with paging features off: a one-page budget, no readahead,
-                   every block read synchronously when used
+                   whole blocks, LRU, every block read synchronously when
+                   used, every trained block checkpointed and recomputed
+                   (--grad-checkpoint: a streamer cannot keep a block's
+                   weights from its forward to its backward); `vs naive`
+                   is against it
+  naive keep       the same with the planner's no-recompute tail (its
+                   frozen weights read again where the backward uses them,
+                   stream.py): what the streamed tail alone gives
   bound            max(Belady-minimum bytes / R, compute), compute the lesser
                    of resident mlx-lm's step and the row's own compute (its
                    step less the pager's waits: the pager's step can be
@@ -36,10 +43,14 @@ length, each configuration in its own process (so peak RSS is its own):
 R is the device's best direct-read rate at the pager's own I/O shape
 (benchlib.read_rate: page-sized O_DIRECT reads, chunks over several I/O
 threads, the best of a few thread x chunk settings), measured on the same
-files in the same run, three times (the best counts), or, where higher, the
-rate a pager step's own reads averaged over the whole step (the device
-delivered at least that: on a noisy volume a step can outread every
-one-second sample); one `dd iflag=direct` stream is printed beside it. Compute is shown twice: resident (mlx-lm) and
+files in the same run. The volume has fast and slow periods minutes long, so
+each pager row has its own R ("R GB/s"): every setting sampled right before
+and right after the row, the best setting's mean of the two, or, where
+higher, the best rate the row's own steps averaged over a whole step (the
+device delivered at least that), never above the shape's R: the best of
+three longer measurements or of any row's steps. "vs bnd" is against the
+row's bound, "vs best" against the bound at the shape's R. One `dd
+iflag=direct` stream is printed beside it. Compute is shown twice: resident (mlx-lm) and
 with recompute (mlx-lm --grad-checkpoint; per pager row, "comp s": with the
 plan's recompute). A row faster than 0.98x its bound is a measurement bug,
 not a win: the bench says which and exits 1.
@@ -171,7 +182,7 @@ FRACTIONS = [1.0, 0.5, 0.25, 0.1]
 # A step measured faster than this fraction of its bound is a measurement bug.
 BOUND_SLACK = 0.98
 IO_THREADS = 4  # the trainer's default --io-threads
-NEAR_SAMPLE_S = 0.3  # seconds per setting of the disk sample around each pager row
+NEAR_SAMPLE_S = 0.5  # seconds per setting of the disk samples around each pager row
 
 
 def vm_hwm() -> int:
@@ -305,6 +316,7 @@ def worker_pager(cfg):
         readahead_mode=cfg.get("readahead_mode", "conservative"),
         io_threads=IO_THREADS,
         page_parts=cfg.get("page_parts", "auto"),
+        grad_checkpoint=cfg.get("grad_checkpoint", False),
     )
     marks = step_marks_callback()
     res = run(types.SimpleNamespace(**args), marks)
@@ -535,10 +547,12 @@ def bench_one(name, shape, a, out_dir):
     footprint = estimated_footprint(model)
     dd_files = [f for i, f in enumerate(files) if sum(g.stat().st_size for g in files[:i]) < 1 << 30]  # ~1 GB
     rates, own_rates, tried, dd = [], [], [], []
-    # The disk's rate right before and after each pager row (a short sample
-    # of every setting, the best counts): the volume has fast and slow
-    # periods minutes long, so a row is held to the rate the disk gave
-    # around it, not to the best it gave the shape's other rows.
+    # The disk's rate right before and after each pager row: a short sample
+    # of every read setting on each side, and the row's rate the best
+    # setting's mean of the two (the best setting, not the luckiest of a
+    # dozen noisy samples). The volume has fast and slow periods minutes
+    # long, so a row is held to the rate the disk gave around it, not to
+    # the best it gave the shape's other rows.
     near = {"last": None}
 
     def pager_files():
@@ -546,14 +560,14 @@ def bench_one(name, shape, a, out_dir):
         swaps = sorted((out_dir / "swap").rglob("*.swap")) if (out_dir / "swap").exists() else []
         return files + swaps
 
-    def sample_near() -> float:
-        best, _ = read_rate(pager_files(), footprint, max_seconds=NEAR_SAMPLE_S)
-        near["last"] = best
-        return best
+    def sample_near() -> list:
+        _, t = read_rate(pager_files(), footprint, max_seconds=NEAR_SAMPLE_S)
+        near["last"] = [x["bytes_per_s"] for x in t]
+        return near["last"]
 
     def measure_rate():
         best, t = read_rate(pager_files(), footprint)
-        near["last"] = best
+        near["last"] = [x["bytes_per_s"] for x in t]
         rates.append(best)
         own_rates.append(
             next(x["bytes_per_s"] for x in t if x["threads"] == IO_THREADS and x["chunk_bytes"] == 8 << 20)
@@ -576,7 +590,10 @@ def bench_one(name, shape, a, out_dir):
         results[cfg_name] = run_worker(__file__, cfg, cap=cap)
         results[cfg_name]["adapter_path"] = cfg["adapter_path"]
         if paged:
-            results[cfg_name]["disk_near"] = [before, sample_near()]
+            after = sample_near()
+            results[cfg_name]["disk_near"] = max((b + a) / 2 for b, a in zip(before, after))
+        else:
+            near["last"] = None  # the next pager row samples the disk right before it
         print(f"   {cfg_name:<13} ran in {time.perf_counter() - t:5.1f}s", flush=True)
 
     def pct(f):
@@ -660,7 +677,14 @@ def bench_one(name, shape, a, out_dir):
             policy=s.policy,
         )
     if shape.get("naive", True):
-        go("naive", kind="pager", page_budget=footprint, readahead=0, policy="lru", page_parts=1)
+        naive = dict(kind="pager", page_budget=footprint, readahead=0, policy="lru", page_parts=1)
+        # Layer streaming recomputes: it cannot keep a block's weights from
+        # the forward to the backward, so it checkpoints every trained block
+        # and reads it again to recompute (--grad-checkpoint).
+        go("naive", grad_checkpoint=True, **naive)
+        # The same with the planner's no-recompute tail, whose weights are
+        # read again for the backward where the graph uses them (stream.py).
+        go("naive keep", **naive)
     if "mlx-lm" in results:
         # Resident again, last: the machine's speed drifts during a run (8-20%
         # between the first and last rows of a shape here), and the ratios
@@ -724,14 +748,15 @@ def bench_one(name, shape, a, out_dir):
         if r.get("cap"):
             row["cap"], row["cgroup_peak"] = r["cap"], r["cgroup_peak"]
         if "page_budget" in r:
-            # The row's R: the best of the samples taken right before and
-            # after it and of its own steps' average read rate, never above
-            # the shape's R (the row is held to no more than the device's best).
+            # The row's R: the disk's rate around it (sample_near), or where
+            # higher its own steps' best average read rate (the device gave
+            # at least that), never above the shape's R (the row is held to
+            # no more than the device's best).
             own = max(
                 (st["bytes_read"] / st["step_s"] for st in (r["steps"][1:] or r["steps"]) if st["step_s"] > 0),
                 default=0.0,
             )
-            R_row = min(R, max([own] + [x for x in r.get("disk_near", []) if x]))
+            R_row = min(R, max(own, r.get("disk_near", 0.0)))
             fig = pager_figures(r, R_row, R_pager, compute)
             best_bound = max(fig["min_bytes"] / R, fig["bound_compute"])
             pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]
