@@ -184,3 +184,20 @@ def check_args(args) -> None:
     check_flags(args)
     check_model(str(args.model))
     check_data(args)
+
+
+def check_blocks_unpatched(model) -> None:
+    """Refuses a model whose block class mlx-lm's --grad-checkpoint patched
+    earlier in this process: mlx_lm.tuner.trainer.grad_checkpoint replaces
+    the class's __call__ for the whole process with one that re-sets the
+    block's parameters inside mx.checkpoint, which keeps the views of pages
+    mlx-pager reads lazily (the run would stop on a full page budget)."""
+    for layer in getattr(model, "layers", [])[:1]:
+        call = type(layer).__call__
+        if getattr(call, "__module__", "") == "mlx_lm.tuner.trainer" and call.__name__ == "checkpointed_fn":
+            raise ValueError(
+                f"{type(layer).__module__}.{type(layer).__name__}.__call__ was replaced by mlx-lm's "
+                "grad_checkpoint earlier in this process (mlx_lm.lora with --grad-checkpoint), for every "
+                "model of this architecture: run mlx-pager in a fresh process (its own --grad-checkpoint "
+                "recomputes without patching)"
+            )

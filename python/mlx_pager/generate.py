@@ -53,6 +53,7 @@ from mlx.utils import tree_flatten
 
 from . import step
 from .budget import BudgetError, MemoryPlan, format_size, parse_size
+from .checks import check_blocks_unpatched
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
 from .session import default_budget, model_path_of, plan_slack
@@ -436,6 +437,7 @@ def load_paged(
     if adapter_path is not None:
         adapter_path = _check_adapter_path(adapter_path)
     model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
+    check_blocks_unpatched(model)
     tokenizer = load_tokenizer(
         path,
         dict(tokenizer_config or {}, trust_remote_code=trust_remote_code),

@@ -106,3 +106,23 @@ def test_cli_errors_have_no_traceback_in_a_subprocess(model, tmp_path):
     )
     assert out.returncode == 2 and out.stderr.strip().startswith("mlx-pager: --batch-size")
     assert "Traceback" not in out.stderr
+
+
+def test_blocks_patched_by_mlx_lm_grad_checkpoint_are_refused(capsys, model, tmp_path):
+    """mlx-lm's --grad-checkpoint patches the block class for the whole
+    process; a later mlx-pager run in it is refused, naming the fix, where
+    it would stop on a full page budget mid-step."""
+    import mlx_lm.models.llama as llama
+    from mlx_lm.tuner.trainer import grad_checkpoint
+    from mlx_lm.utils import load_model
+
+    m, _ = load_model(model, lazy=True)
+    original = llama.TransformerBlock.__call__
+    grad_checkpoint(m.layers[0])
+    try:
+        rc, err = lora(capsys, *base(model, tmp_path))
+    finally:
+        llama.TransformerBlock.__call__ = original
+    assert rc != 0
+    assert "grad_checkpoint earlier in this process" in err and "fresh process" in err
+    assert not (tmp_path / "a" / "adapters.safetensors").exists()
