@@ -366,6 +366,12 @@ def worker_pager(cfg):
 
 
 # ------------------------------------------------------------- orchestrator --
+def step_read_rates(r):
+    """A pager row's read rate averaged over each whole step after the first
+    (bytes read / step time): the device delivered at least that."""
+    return [st["bytes_read"] / st["step_s"] for st in (r["steps"][1:] or r["steps"]) if st["step_s"] > 0]
+
+
 def median_after_first(xs):
     xs = xs[1:] if len(xs) > 1 else xs
     return statistics.median(xs)
@@ -553,7 +559,7 @@ def bench_one(name, shape, a, out_dir):
     # dozen noisy samples). The volume has fast and slow periods minutes
     # long, so a row is held to the rate the disk gave around it, not to
     # the best it gave the shape's other rows.
-    near = {"last": None}
+    last_sample = None  # the latest sample's rate per setting (None: take one)
 
     def pager_files():
         # The files the pager reads: the model's, and its swap file if any.
@@ -561,13 +567,15 @@ def bench_one(name, shape, a, out_dir):
         return files + swaps
 
     def sample_near() -> list:
+        nonlocal last_sample
         _, t = read_rate(pager_files(), footprint, max_seconds=NEAR_SAMPLE_S)
-        near["last"] = [x["bytes_per_s"] for x in t]
-        return near["last"]
+        last_sample = [x["bytes_per_s"] for x in t]
+        return last_sample
 
     def measure_rate():
+        nonlocal last_sample
         best, t = read_rate(pager_files(), footprint)
-        near["last"] = [x["bytes_per_s"] for x in t]
+        last_sample = [x["bytes_per_s"] for x in t]
         rates.append(best)
         own_rates.append(
             next(x["bytes_per_s"] for x in t if x["threads"] == IO_THREADS and x["chunk_bytes"] == 8 << 20)
@@ -581,11 +589,12 @@ def bench_one(name, shape, a, out_dir):
     results = {}
 
     def go(cfg_name, cap=None, **kw):
+        nonlocal last_sample
         if not want(cfg_name):
             return
         cfg = dict(base, name=cfg_name, adapter_path=str(out_dir / f"ad-{name}-{cfg_name.replace(' ', '_')}"), **kw)
         paged = cfg["kind"] == "pager"
-        before = (near["last"] or sample_near()) if paged else None
+        before = (last_sample or sample_near()) if paged else None
         t = time.perf_counter()
         results[cfg_name] = run_worker(__file__, cfg, cap=cap)
         results[cfg_name]["adapter_path"] = cfg["adapter_path"]
@@ -593,7 +602,7 @@ def bench_one(name, shape, a, out_dir):
             after = sample_near()
             results[cfg_name]["disk_near"] = max((b + a) / 2 for b, a in zip(before, after))
         else:
-            near["last"] = None  # the next pager row samples the disk right before it
+            last_sample = None  # the next pager row samples the disk right before it
         print(f"   {cfg_name:<13} ran in {time.perf_counter() - t:5.1f}s", flush=True)
 
     def pct(f):
@@ -699,13 +708,7 @@ def bench_one(name, shape, a, out_dir):
     # (seen: 2.16 GB in 1.52 s against samples of at most 1.38 GB/s).
     R_reads = max(rates)
     R_steps, R_steps_row = max(
-        (
-            (st["bytes_read"] / st["step_s"], cfg_name)
-            for cfg_name, r in results.items()
-            if "page_budget" in r
-            for st in (r["steps"][1:] or r["steps"])
-            if st["step_s"] > 0
-        ),
+        ((rate, cfg_name) for cfg_name, r in results.items() if "page_budget" in r for rate in step_read_rates(r)),
         default=(0.0, None),
     )
     R = max(R_reads, R_steps)
@@ -752,11 +755,7 @@ def bench_one(name, shape, a, out_dir):
             # higher its own steps' best average read rate (the device gave
             # at least that), never above the shape's R (the row is held to
             # no more than the device's best).
-            own = max(
-                (st["bytes_read"] / st["step_s"] for st in (r["steps"][1:] or r["steps"]) if st["step_s"] > 0),
-                default=0.0,
-            )
-            R_row = min(R, max(own, r.get("disk_near", 0.0)))
+            R_row = min(R, max(step_read_rates(r) + [r.get("disk_near", 0.0)]))
             fig = pager_figures(r, R_row, R_pager, compute)
             best_bound = max(fig["min_bytes"] / R, fig["bound_compute"])
             pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]

@@ -626,9 +626,10 @@ def open_session(
         # the activations of the fastest placement, with no block recomputed
         # (the tail streams its pages, stream.py; the memory budget follows).
         page_cap = int(args.page_budget)
-        if training and first < L:
+        if training and first < L and ceiling is None:
             # Nothing caps the memory here: measure the whole tail's
-            # working set (one sequence) rather than reserve a guess.
+            # working set (one sequence) rather than reserve a guess
+            # (--grad-checkpoint: no tail to measure).
             try:
                 used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes)
                 sizes.learn({"tail": (used, L - first, 1, seq_len)})

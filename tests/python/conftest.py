@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,26 @@ def big_model(tmp_path_factory):
         seed=1,
     )
     return modelgen.generate_model(tmp_path_factory.mktemp("big") / "model", spec)
+
+
+@contextmanager
+def mlx_lm_class_patches_undone():
+    """mlx-lm's --grad-checkpoint replaces the block class's __call__ for the
+    whole process (tuner.trainer.grad_checkpoint); undone on exit, so that
+    what runs next (mlx-pager, other tests) calls the blocks as defined."""
+    import mlx_lm.tuner.trainer as lm_trainer
+
+    original = lm_trainer.grad_checkpoint
+    patched = []
+
+    def recording(layer):
+        patched.append((type(layer), type(layer).__call__))
+        original(layer)
+
+    lm_trainer.grad_checkpoint = recording
+    try:
+        yield
+    finally:
+        lm_trainer.grad_checkpoint = original
+        for cls, call in reversed(patched):
+            cls.__call__ = call

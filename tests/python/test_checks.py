@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SAMPLE
+from conftest import SAMPLE, mlx_lm_class_patches_undone
 
 from mlx_pager.cli import lora_main
 
@@ -112,17 +112,13 @@ def test_blocks_patched_by_mlx_lm_grad_checkpoint_are_refused(capsys, model, tmp
     """mlx-lm's --grad-checkpoint patches the block class for the whole
     process; a later mlx-pager run in it is refused, naming the fix, where
     it would stop on a full page budget mid-step."""
-    import mlx_lm.models.llama as llama
-    from mlx_lm.tuner.trainer import grad_checkpoint
+    import mlx_lm.tuner.trainer as lm_trainer
     from mlx_lm.utils import load_model
 
     m, _ = load_model(model, lazy=True)
-    original = llama.TransformerBlock.__call__
-    grad_checkpoint(m.layers[0])
-    try:
+    with mlx_lm_class_patches_undone():
+        lm_trainer.grad_checkpoint(m.layers[0])
         rc, err = lora(capsys, *base(model, tmp_path))
-    finally:
-        llama.TransformerBlock.__call__ = original
     assert rc != 0
     assert "grad_checkpoint earlier in this process" in err and "fresh process" in err
     assert not (tmp_path / "a" / "adapters.safetensors").exists()

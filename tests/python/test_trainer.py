@@ -5,13 +5,11 @@ import json
 import subprocess
 import sys
 import types
-from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx_lm
-import mlx_lm.tuner.trainer as lm_trainer
 import pytest
-from conftest import SAMPLE, write_jsonl
+from conftest import SAMPLE, mlx_lm_class_patches_undone, write_jsonl
 from mlx_lm.lora import CONFIG_DEFAULTS
 from mlx_lm.lora import run as mlx_lm_run
 from test_lora_cli import table
@@ -32,27 +30,6 @@ COMMON = dict(
     seed=0,
     val_batches=2,
 )
-
-
-@contextmanager
-def mlx_lm_class_patches_undone():
-    """mlx-lm's --grad-checkpoint replaces the block class's __call__ for the
-    whole process (tuner.trainer.grad_checkpoint); undone on exit, so that
-    what runs next (mlx-pager, other tests) calls the blocks as defined."""
-    original = lm_trainer.grad_checkpoint
-    patched = []
-
-    def recording(layer):
-        patched.append((type(layer), type(layer).__call__))
-        original(layer)
-
-    lm_trainer.grad_checkpoint = recording
-    try:
-        yield
-    finally:
-        lm_trainer.grad_checkpoint = original
-        for cls, call in reversed(patched):
-            cls.__call__ = call
 
 
 def both(model, data, tmp_path, **kw):
