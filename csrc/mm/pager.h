@@ -185,6 +185,9 @@ class Pager {
   // Aggressive (true) or conservative readahead (readahead.cpp); returns the
   // previous mode.
   bool set_readahead_aggressive(bool on);
+  // The readahead depth (pages) and mode in force now.
+  int readahead_pages() const;
+  bool readahead_aggressive() const;
   std::uint64_t budget() const;
 
   // ---- counters ----

@@ -44,6 +44,16 @@ bool Pager::set_readahead_aggressive(bool on) {
   return old;
 }
 
+int Pager::readahead_pages() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return readahead_pages_;
+}
+
+bool Pager::readahead_aggressive() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return readahead_aggressive_;
+}
+
 void Pager::readahead() {
   std::unique_lock<std::mutex> lock(mu_);
   if (readahead_pages_ <= 0 || schedule_.empty()) {

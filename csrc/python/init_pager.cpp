@@ -247,6 +247,15 @@ void init_pager(nb::module_& m) {
           },
           "page"_a, "'on_disk', 'in_flight' or 'resident'.")
       .def_prop_ro("budget", [](const TensorPager& tp) { return tp.pager().budget(); })
+      .def_prop_ro(
+          "readahead", [](const TensorPager& tp) { return tp.pager().readahead_pages(); },
+          "Pages read ahead of the schedule now (set_readahead).")
+      .def_prop_ro(
+          "readahead_mode",
+          [](const TensorPager& tp) {
+            return std::string(tp.pager().readahead_aggressive() ? "aggressive" : "conservative");
+          },
+          "The readahead mode now (set_readahead_mode).")
       .def(
           "lookup",
           [](const TensorPager& tp, const std::string& n) { return tp.pager().lookup(n); },

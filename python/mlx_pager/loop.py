@@ -336,6 +336,9 @@ def train(
 
             before = pager.stats()
             cb.on_step_begin(it, before)
+            # The readahead this step runs with (the automatic choice,
+            # simulate.AutoReadahead, may change it after a step).
+            readahead = (pager.readahead / weights.pages_per_block, pager.readahead_mode)
             mx.reset_peak_memory()
             reset_peak_rss()
             tic = time.perf_counter()
@@ -376,6 +379,8 @@ def train(
                 "faults": after["faults"] - before["faults"],
                 "readahead_hits": after["readahead_hits"] - before["readahead_hits"],
                 "acquires": after["acquires"] - before["acquires"],
+                "readahead_blocks": readahead[0],  # depth in blocks (--readahead's unit)
+                "readahead_mode": readahead[1],
                 # Integrity (pager.h): reads retried, pages that failed their
                 # checksum, pages rewritten from the model's files.
                 **{k: after[k] - before[k] for k in ("io_retries", "checksum_errors", "pages_rebuilt")},

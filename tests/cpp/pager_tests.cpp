@@ -898,8 +898,20 @@ TEST_CASE("pager: lowering the budget evicts down to it") {
 
 TEST_CASE("pager: set_readahead returns the previous value and clamps at 0") {
   Pager p(config(2, Policy::lru, 3), std::make_shared<HeapFrameAllocator>());
+  CHECK_EQ(p.readahead_pages(), 3);
   CHECK_EQ(p.set_readahead(-1), 3);
+  CHECK_EQ(p.readahead_pages(), 0);
   CHECK_EQ(p.set_readahead(2), 0);
+  CHECK_EQ(p.readahead_pages(), 2);
+}
+
+TEST_CASE("pager: set_readahead_aggressive returns the previous mode; readahead_aggressive reads it") {
+  Pager p(config(2, Policy::lru, 3), std::make_shared<HeapFrameAllocator>());
+  CHECK(!p.readahead_aggressive());
+  CHECK(!p.set_readahead_aggressive(true));
+  CHECK(p.readahead_aggressive());
+  CHECK(p.set_readahead_aggressive(false));
+  CHECK(!p.readahead_aggressive());
 }
 
 TEST_CASE("pager: discard drops a rewritten page, so the next acquire reads the new bytes") {

@@ -460,8 +460,14 @@ def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
     from mlx_pager.trainer import DEFAULTS, run
 
     model = models("llama", None, num_hidden_layers=6, dtype="float32", vocab_size=512)
-    said = []
-    auto = sim.AutoReadahead(say=said.append, rate=1e9)
+    said, after_step = [], []
+
+    class Auto(sim.AutoReadahead):
+        def on_step(self, record):
+            super().on_step(record)
+            after_step.append(self.chosen and self.chosen.settings)
+
+    auto = Auto(say=said.append, rate=1e9)
     opened = None
 
     class Grab:
@@ -489,6 +495,9 @@ def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
     res = run(types.SimpleNamespace(**args), Callbacks([auto, Grab()]))
     assert len(res.steps) == 4
     assert auto.chosen is not None and said and said[0].startswith("Readahead: ")
-    # The pager runs with the choice (set_readahead returns the current depth).
-    assert opened.weights.pager.set_readahead(0) == auto.chosen.settings.readahead
-    assert opened.weights.pager.set_readahead_mode("conservative") == auto.chosen.settings.mode
+    # The pager runs with the choice, and each step's record says what it ran with.
+    pager, unit = opened.weights.pager, opened.weights.pages_per_block
+    assert (pager.readahead, pager.readahead_mode) == (auto.chosen.settings.readahead, auto.chosen.settings.mode)
+    ran = [(st["readahead_blocks"], st["readahead_mode"]) for st in res.steps]
+    assert ran[:2] == [(0, "conservative")] * 2  # --readahead 0 until the choice after step 2
+    assert ran[2:] == [(c.readahead / unit, c.mode) for c in after_step[1:3]]
