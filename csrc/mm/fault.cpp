@@ -284,6 +284,9 @@ void Pager::submit_read_locked(Lock& lock, PageId id, bool urgent) {
     };
   }
   check_accounting_locked(lock);
+  if (reads_in_flight_++ == 0) {
+    busy_since_ = std::chrono::steady_clock::now();
+  }
   // The completion may run before submit() returns; it takes the lock, so
   // the submit happens with the lock released.
   lock.unlock();
@@ -322,6 +325,12 @@ void Pager::complete_read(
     bool urgent,
     Landing* landing) {
   Lock lock(mu_);
+  // Every submitted read completes here once: the disk's busy time ends as
+  // the last read in flight lands (its checks below are the CPU's).
+  MLX_PAGER_ASSERT(reads_in_flight_ > 0);
+  if (--reads_in_flight_ == 0) {
+    stat_.read_busy_ns += elapsed_ns(busy_since_);
+  }
   PageEntry& e = table_.at(id);
   if (e.read_gen != gen || e.state != PageState::in_flight) {
     return;

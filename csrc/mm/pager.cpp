@@ -253,6 +253,9 @@ void Pager::set_rebuild_hook(RebuildHook hook) {
 VmStat Pager::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   VmStat s = stat_;
+  if (reads_in_flight_ > 0) {
+    s.read_busy_ns += elapsed_ns(busy_since_);  // the busy spell under way
+  }
   s.io_retries = io_.retries();
   s.resident_bytes_now = charged_now();
   s.free_frame_bytes_now = free_frame_bytes_;

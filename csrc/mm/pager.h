@@ -332,6 +332,10 @@ class Pager {
   bool readahead_aggressive_;
   std::uint64_t access_clock_ = 0;
   std::uint64_t held_bytes_ = 0;                  // charged to pages in the table
+  // Page reads submitted and not yet completed, and since when there has
+  // been at least one (VmStat::read_busy_ns).
+  int reads_in_flight_ = 0;
+  std::chrono::steady_clock::time_point busy_since_;
   std::vector<std::shared_ptr<void>> graveyard_;  // frames to drop unlocked
   struct FreeFrame {
     Frame frame;

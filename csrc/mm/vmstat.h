@@ -26,6 +26,7 @@ struct VmStat {
   std::uint64_t pages_read = 0;                // page reads completed
   std::uint64_t bytes_read = 0;                // bytes transferred from files
   std::uint64_t io_wait_ns = 0;                // time acquire() spent blocked on reads
+  std::uint64_t read_busy_ns = 0;              // time with at least one page read in flight
   std::uint64_t reclaim_wait_ns = 0;           // time spent waiting for memory to free
   std::uint64_t resident_bytes_now = 0;        // memory charged to the budget now
   std::uint64_t peak_resident_bytes = 0;       // most ever charged at once

@@ -54,6 +54,7 @@ nb::dict stats_dict(const VmStat& s) {
   d["pages_read"] = s.pages_read;
   d["bytes_read"] = s.bytes_read;
   d["io_wait_s"] = s.io_wait_ns * 1e-9;
+  d["read_busy_s"] = s.read_busy_ns * 1e-9;
   d["reclaim_wait_s"] = s.reclaim_wait_ns * 1e-9;
   d["resident_bytes"] = s.resident_bytes_now;
   d["peak_resident_bytes"] = s.peak_resident_bytes;

@@ -374,6 +374,9 @@ def train(
                 "tokens": sum(toks),
                 "step_s": elapsed,
                 "io_wait_s": after["io_wait_s"] - before["io_wait_s"],
+                # the time the disk had a page read in flight (bytes_read /
+                # read_busy_s: the rate the reads got)
+                "read_busy_s": after["read_busy_s"] - before["read_busy_s"],
                 "bytes_read": after["bytes_read"] - before["bytes_read"],
                 "pages_read": after["pages_read"] - before["pages_read"],
                 "faults": after["faults"] - before["faults"],

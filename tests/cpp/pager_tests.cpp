@@ -176,6 +176,25 @@ TEST_CASE("pager: acquire returns the page's exact bytes, once read") {
   CHECK_THROWS_WITH(p.release(2), "not acquired");
 }
 
+TEST_CASE("pager: read_busy_ns counts the time reads were in flight, and only that") {
+  Fixture fx(4, 23, "pager_busy.bin");
+  Pager p(config(4, Policy::lru, 0), std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  CHECK_EQ(p.stats().read_busy_ns, 0u);
+  auto t0 = std::chrono::steady_clock::now();
+  for (PageId id : {0, 1, 2}) {
+    p.acquire(id);
+    p.release(id);
+  }
+  auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+  VmStat s = p.stats();
+  CHECK(s.read_busy_ns > 0);
+  CHECK(s.read_busy_ns <= static_cast<std::uint64_t>(wall.count()));
+  // Nothing in flight: the counter stands still.
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK_EQ(p.stats().read_busy_ns, s.read_busy_ns);
+}
+
 TEST_CASE("pager: a page made of several extents from several files") {
   auto f1 = check::pattern_file("multi1.bin", 3 * kIoAlign + 10, 31);
   auto f2 = check::pattern_file("multi2.bin", 5 * kIoAlign, 32);

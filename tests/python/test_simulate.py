@@ -501,3 +501,6 @@ def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
     ran = [(st["readahead_blocks"], st["readahead_mode"]) for st in res.steps]
     assert ran[:2] == [(0, "conservative")] * 2  # --readahead 0 until the choice after step 2
     assert ran[2:] == [(c.readahead / unit, c.mode) for c in after_step[1:3]]
+    # The disk's busy time: some where the first step read the pages, never more than a step.
+    assert res.steps[0]["bytes_read"] > 0 and res.steps[0]["read_busy_s"] > 0
+    assert all(0 <= st["read_busy_s"] <= st["step_s"] + 0.05 for st in res.steps)
