@@ -204,6 +204,7 @@ class Session:
             self.spill.close()
             self.spill = None
         self.weights.pager.evict_all()
+        self.weights.pager.drop_kept_frame()  # the frames kept for reads (mlx_frames.h)
         release_heap()
 
     @property
