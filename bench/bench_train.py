@@ -664,8 +664,11 @@ def bench_one(name, shape, a, out_dir):
         print(f"   mlx-lm       skipped: {W / 1e9:.1f}GB of weights do not fit in this machine's memory")
     if shape.get("capped_budget"):
         # The whole process under a hard cap equal to its --memory-budget.
+        # At a fixed readahead: its adapters are compared with mlx-lm
+        # --grad-checkpoint's after as many steps (a 'pager' row runs one
+        # more), and the trainer makes no choice while checkpoints spill.
         b = shape["capped_budget"]
-        go(f"pager {b / 1e9:g}GB cap", page_budget=None, memory_budget=str(b), cap=b, **pager)
+        go(f"pager {b / 1e9:g}GB cap", page_budget=None, memory_budget=str(b), cap=b, **fixed)
     if "mlx-lm" in results and shape.get("at_mlx_lm", True):
         # The budget resident mlx-lm itself needed (its peak RSS, +5%): where
         # the no-recompute tail segment can hold every trained block.
