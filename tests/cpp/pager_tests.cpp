@@ -186,7 +186,8 @@ TEST_CASE("pager: read_busy_ns counts the time reads were in flight, and only th
     p.acquire(id);
     p.release(id);
   }
-  auto wall = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+  auto wall =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
   VmStat s = p.stats();
   CHECK(s.read_busy_ns > 0);
   CHECK(s.read_busy_ns <= static_cast<std::uint64_t>(wall.count()));
@@ -924,7 +925,8 @@ TEST_CASE("pager: set_readahead returns the previous value and clamps at 0") {
   CHECK_EQ(p.readahead_pages(), 2);
 }
 
-TEST_CASE("pager: set_readahead_aggressive returns the previous mode; readahead_aggressive reads it") {
+TEST_CASE(
+    "pager: set_readahead_aggressive returns the previous mode; readahead_aggressive reads it") {
   Pager p(config(2, Policy::lru, 3), std::make_shared<HeapFrameAllocator>());
   CHECK(!p.readahead_aggressive());
   CHECK(!p.set_readahead_aggressive(true));
