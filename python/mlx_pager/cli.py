@@ -258,6 +258,13 @@ time scale with --layers x --hidden-size^2.""",
         f"{s.get('frames_reused', 0)} into a reused frame)"
     )
     per_step = f"{format_size(per_step_read)} per step after the first"
+    busy = sum(x.get("read_busy_s", 0.0) for x in steps)
+    if busy > 0:
+        # The rate the reads got, and how much of the steps the disk worked:
+        # near 100%, the run is bound by the reads.
+        rate = sum(x["bytes_read"] for x in steps) / busy
+        share = busy / sum(x["step_s"] for x in steps)
+        per_step += f"; {format_size(rate)}/s while reading, the disk busy {share:.0%} of the steps"
     print(f"  bytes read         {format_size(s['bytes_read']):>10}   ({per_step})")
     print(f"  step time          {step_s:>9.2f}s   (median; I/O wait {sum(x['io_wait_s'] for x in steps):.2f}s in all)")
     print(f"  loss               {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}")
