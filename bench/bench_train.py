@@ -44,6 +44,10 @@ length, each configuration in its own process (so peak RSS is its own):
                    minutes long, so one run's ratio moves by up to ~30%.
                    Under the table, each ratio of both runs and their mean:
                    the figure to read a target from
+  mlx-lm pair i,   resident and nothing paged side by side, PAIRS times, last
+  pager 100% pair i   (the compute shape's rows swing by up to 30% within
+                   minutes): each adjacent pair's ratio and their median
+                   under the table
   bound            max(Belady-minimum bytes / R, compute), compute the lesser
                    of resident mlx-lm's step and the row's own compute (its
                    step less the pager's waits: the pager's step can be
@@ -105,6 +109,7 @@ from pathlib import Path
 from benchlib import READ_SETTINGS, dd_rate, read_rate, run_worker
 
 HERE = Path(__file__).resolve().parent
+PAIRS = 3  # adjacent (resident, pager 100%) pairs per shape
 
 SHAPES = {
     # Long sequences, narrow layers: compute per block dwarfs its read.
@@ -716,6 +721,13 @@ def bench_one(name, shape, a, out_dir):
     if "mlx-lm" in results:
         # Resident again, last: the ratios to resident take the mean of the two.
         go("mlx-lm again", kind="mlx-lm", grad_checkpoint=False)
+    if "mlx-lm" in results and "pager 100%" in results:
+        # Nothing paged against resident, side by side: PAIRS adjacent pairs
+        # (the compute shape's rows swing by up to 30% within minutes here,
+        # more than the A B ... B A runs around the shape can cancel).
+        for i in range(1, PAIRS + 1):
+            go(f"mlx-lm pair {i}", kind="mlx-lm", grad_checkpoint=False)
+            go(f"pager 100% pair {i}", page_budget=page_budget(1), **pager)
     measure_rate()
     R_pager = statistics.median(own_rates)
     # R is at least what the device demonstrably delivered: besides the best
@@ -847,6 +859,9 @@ def bench_one(name, shape, a, out_dir):
     twice = twice_summary(rows)
     for line in twice["lines"]:
         print(line)
+    pairs = pairs_summary(rows)
+    if pairs:
+        print(pairs["line"])
     for v in violations:
         print(f"   BOUND VIOLATED: {v}")
     for row in rows:
@@ -879,7 +894,27 @@ def bench_one(name, shape, a, out_dir):
         "bound_violations": violations,
         "capped": capped,
         "twice": twice["rows"],
+        "nothing_paged_pairs": pairs,
     }
+
+
+def pairs_summary(rows) -> dict:
+    """The 'pager 100%' row against resident mlx-lm, each adjacent pair's
+    ratio of tokens/s ('mlx-lm pair i' then 'pager 100% pair i') and their
+    median: the machine's drift between two adjacent runs, not across the
+    shape."""
+    by_name = {r["config"]: r for r in rows}
+    ratios = []
+    for i in range(1, PAIRS + 1):
+        a, b = by_name.get(f"mlx-lm pair {i}"), by_name.get(f"pager 100% pair {i}")
+        if a and b:
+            ratios.append(b["tokens_per_s"] / a["tokens_per_s"])
+    if not ratios:
+        return {}
+    m = statistics.median(ratios)
+    each = " / ".join(f"{x:.2f}x" for x in ratios)
+    line = f"   pager 100% against resident, {len(ratios)} adjacent pairs: {each}, median {m:.2f}x"
+    return {"ratios": ratios, "median": m, "line": line}
 
 
 def twice_summary(rows) -> dict:
@@ -999,7 +1034,9 @@ def plot(summary, path):
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 8), squeeze=False, constrained_layout=True)
     for j, name in enumerate(shapes):
         s = summary[name]
-        pager_rows = [r for r in s["rows"] if r["config"].startswith("pager") and not r["config"].endswith("again")]
+        # one point per budget: not the second runs, nor the side-by-side pairs
+        once = [r for r in s["rows"] if not r["config"].endswith("again") and " pair " not in r["config"]]
+        pager_rows = [r for r in once if r["config"].startswith("pager")]
         ax = axes[0][j]
 
         def pct(rows, s=s):
@@ -1010,13 +1047,13 @@ def plot(summary, path):
             ("cons", "v-", "mlx-pager, conservative readahead 4"),
             ("aggr", "^-", "mlx-pager, aggressive readahead 4"),
         ):
-            series = [r for r in s["rows"] if r["config"].startswith(prefix) and not r["config"].endswith("again")]
+            series = [r for r in once if r["config"].startswith(prefix)]
             if series:
                 ax.plot(pct(series), [r["step_s"] for r in series], marker, label=label)
         x = pct(pager_rows)
         ax.plot(x, [r["bound_s"] for r in pager_rows], "k--", label="lower bound")
         ax.plot(x, [r["predicted_s"] for r in pager_rows], "kx", label="simulator's prediction")
-        for r in s["rows"]:
+        for r in once:
             if not r["config"].startswith(("pager", "cons", "aggr")):
                 ax.axhline(
                     r["step_s"],
