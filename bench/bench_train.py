@@ -73,8 +73,7 @@ Each pager row also shows the step time the simulator (mlx_pager.simulate)
 predicts for it ("pred s"): the row's schedule and per-block compute (each
 block's time less the pager's waits, from on_block), its budget and
 readahead settings, and the rate the row's reads got (bytes over
-read_busy_s; where it read nothing, the pager's own setting, 4 threads x 8
-MB chunks, sampled right before and after the row).
+read_busy_s).
 
 Shapes (--shapes; `big` is opt-in):
   compute   long sequences, narrow layers: compute per block dwarfs its read
@@ -106,7 +105,7 @@ import time
 import types
 from pathlib import Path
 
-from benchlib import READ_SETTINGS, dd_rate, read_rate, run_worker
+from benchlib import dd_rate, read_rate, run_worker
 
 HERE = Path(__file__).resolve().parent
 PAIRS = 3  # adjacent (resident, pager 100%) pairs per shape
@@ -466,13 +465,13 @@ def settings_label(settings) -> str:
     return f"ra {depth:g} {mode[:4]}" + ("" if policy == "optimal" else f" {policy}")
 
 
-def pager_figures(r, R, R_pager, compute):
+def pager_figures(r, R, read_rate, compute):
     """A pager row's MIN, bound and predicted step time (simulate). The bound
     divides MIN's bytes by R (the device's best) and takes as compute the
     lesser of resident mlx-lm's step and the row's own compute (its steps
     less the pager's waits: no step is faster than its own compute, and the
-    pager's can be faster than mlx-lm's); the prediction reads at R_pager
-    (the rate at the pager's own settings)."""
+    pager's can be faster than mlx-lm's); the prediction reads at
+    `read_rate` (the rate the row's reads got, busy_read_rate)."""
     from mlx_pager import simulate
 
     fp = r["page_footprints"]
@@ -495,7 +494,7 @@ def pager_figures(r, R, R_pager, compute):
         acc,
         fp,
         r["page_budget"],
-        simulate.Disk(R_pager, IO_THREADS),
+        simulate.Disk(read_rate, IO_THREADS),
         simulate.Settings(round(depth * pages_per_block(r)), mode, policy),
         read_bytes=[page_read] * len(fp),
     )
@@ -601,9 +600,6 @@ def bench_one(name, shape, a, out_dir):
         last_sample = [x["bytes_per_s"] for x in t]
         return last_sample
 
-    # where the pager's own setting (IO_THREADS x 8 MB) is in a sample
-    own = next(i for i, (n, chunk) in enumerate(READ_SETTINGS) if n == IO_THREADS and chunk == 8 << 20)
-
     def measure_rate():
         nonlocal last_sample
         best, t = read_rate(pager_files(), footprint)
@@ -638,7 +634,6 @@ def bench_one(name, shape, a, out_dir):
         if paged:
             after = sample_near()
             results[cfg_name]["disk_near"] = max((b + a) / 2 for b, a in zip(before, after))
-            results[cfg_name]["disk_near_own"] = (before[own] + after[own]) / 2
         else:
             last_sample = None  # the next pager row samples the disk right before it
         print(f"   {cfg_name:<13} ran in {time.perf_counter() - t:5.1f}s", flush=True)
@@ -791,7 +786,8 @@ def bench_one(name, shape, a, out_dir):
             # than the device's best). The prediction reads at the rate the
             # row's reads got.
             R_row = min(R, max(busy_read_rate(r), r.get("disk_near", 0.0)))
-            fig = pager_figures(r, R_row, busy_read_rate(r) or r.get("disk_near_own", R_pager), compute)
+            # (a row that read nothing: any rate predicts the same)
+            fig = pager_figures(r, R_row, busy_read_rate(r) or R_pager, compute)
             best_bound = max(fig["min_bytes"] / R, fig["bound_compute"])
             pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]
             row.update(
