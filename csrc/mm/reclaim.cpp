@@ -206,6 +206,13 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page, bo
   auto zombie_deadline = std::chrono::steady_clock::time_point::max();
   std::int64_t waited_from = -1;  // the first wait, for the trace
   for (;;) {
+    if (or_free_frame && table_.at(for_page).state != PageState::on_disk) {
+      // Room for a fault's read, and a wait below let readahead start that
+      // very read: it needs no more room (the caller sees the read started
+      // and waits for it). Making room on would evict for nothing, or fail
+      // with nothing evictable while the read's own charge holds the room.
+      return;
+    }
     std::uint64_t charged = charged_now();
     if (charged + need <= budget_) {
       if (waited_from >= 0 && trace_.enabled()) {
