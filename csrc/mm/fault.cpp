@@ -244,6 +244,13 @@ std::uint64_t Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
     e.charged = frame.footprint;
     charge->store(frame.footprint);
     note_peak_locked(lock);
+    if (frame.footprint > need) {
+      // The page pool filled the frame against the reservation: it holds
+      // no more than the room the exact charge leaves.
+      if (PagePool* pool = allocator_->pool()) {
+        pool->trim_to_room();
+      }
+    }
   }
   submit_read_locked(lock, id, urgent);
   return gen;

@@ -14,6 +14,8 @@
 #include <functional>
 #include <memory>
 
+#include "mm/page_pool.h"
+
 namespace mlx_pager {
 
 struct Frame {
@@ -58,14 +60,26 @@ class FrameAllocator {
   // read (PagerConfig::keep_free_frames). A pure query: the pager calls it
   // under its lock. Default: never (the frame is freed on eviction).
   virtual bool unshared(const Frame& frame) const;
+  // The pool that hands freed frames' pages to the next frames (page_pool.h),
+  // or null: frames are mapped fresh. The pager bounds it by its budget.
+  virtual PagePool* pool() { return nullptr; }
 };
 
 // Frames from posix_memalign: for the MLX-free core and its tests.
+// With a page pool where the platform has one (page_pool.h): a freed
+// frame's pages go to the next frames.
 class HeapFrameAllocator : public FrameAllocator {
  public:
+  explicit HeapFrameAllocator(bool page_pool = true);
   std::uint64_t footprint(std::uint64_t bytes) const override;
   Frame allocate(std::uint64_t bytes, std::function<void()> on_free) override;
   bool unshared(const Frame& frame) const override;
+  PagePool* pool() override { return pool_.get(); }
+
+ private:
+  // Shared with the frames' deleters, which may run after the allocator is
+  // gone.
+  std::shared_ptr<PagePool> pool_;
 };
 
 }  // namespace mlx_pager

@@ -87,6 +87,17 @@ Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
   if (!allocator_) {
     throw std::invalid_argument("[Pager] needs a frame allocator");
   }
+  accounting_->budget = budget_;
+  if (PagePool* pool = allocator_->pool()) {
+    // The pool holds what the budget has room for beside the charged pages:
+    // the frames it fills take its pages before any fresh memory.
+    pool->set_room([acct = accounting_](std::uint64_t freeing) -> std::uint64_t {
+      std::uint64_t charged = acct->charged.load();
+      charged = charged > freeing ? charged - freeing : 0;
+      std::uint64_t budget = acct->budget.load();
+      return budget > charged ? budget - charged : 0;
+    });
+  }
   readahead_thread_ = std::thread([this] { readahead_on_free(); });
 }
 
@@ -97,6 +108,11 @@ Pager::~Pager() {
   }
   accounting_->cv.notify_all();
   readahead_thread_.join();
+  if (PagePool* pool = allocator_->pool()) {
+    // Nothing bounds the pool once the pager is gone: it keeps nothing more.
+    pool->set_room(nullptr);
+    pool->trim(0);
+  }
 }
 
 // ---------------------------------------------------------------- registry --
@@ -188,6 +204,7 @@ std::uint64_t Pager::set_budget(std::uint64_t bytes) {
   std::unique_lock<std::mutex> lock(mu_);
   std::uint64_t old = budget_;
   budget_ = bytes;
+  accounting_->budget = bytes;
   // Shrink: evict what nobody holds until the new budget holds (best effort;
   // pages in use and pinned pages stay and are evicted as they are released).
   while (charged_now() > budget_) {
@@ -201,6 +218,9 @@ std::uint64_t Pager::set_budget(std::uint64_t bytes) {
     }
     evict_locked(lock, cands[choose_victim(policy_, cands)].id);
     drop_graveyard_unlocked(lock);
+  }
+  if (PagePool* pool = allocator_->pool()) {
+    pool->trim_to_room();
   }
   return old;
 }

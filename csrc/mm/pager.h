@@ -29,7 +29,10 @@
 //
 // Budget accounting counts what is really allocated: a frame is charged from
 // the moment its read is planned until its memory is freed, which can be
-// after eviction when someone still holds an array viewing it.
+// after eviction when someone still holds an array viewing it. The
+// allocator's page pool (page_pool.h: freed frames' pages for the next
+// frames) is not charged: the pager bounds it by the budget's room
+// (budget less charged, Accounting::budget), so charged + pool <= budget.
 //
 // All public methods are thread-safe. acquire() blocks; it may be called
 // from several threads at once, also for the same page.
@@ -48,7 +51,8 @@
 //    IoBatch::mu_ are leaves (nothing is locked under them), and so is the
 //    trace recorder's lock (trace.h), taken under any of them. mu_ is NEVER held
 //    while calling into the FrameAllocator (allocate may run MLX code;
-//    unshared, a pure query, is the exception),
+//    unshared, a pure query, and the page pool's trim_to_room, whose lock is
+//    a leaf and whose room reads only atomics, are the exceptions),
 //    while dropping a frame's last reference (its on_free takes
 //    Accounting::mu and MLX's allocator lock), or while submitting I/O (a
 //    completion runs complete_read, which takes mu_, possibly before
@@ -121,6 +125,11 @@ struct PagerConfig {
   // inside the read (read shape at one block, in parts: 1.5 s a step against
   // 1.9 s). Free frames are dropped first whenever room is needed.
   bool keep_free_frames = false;
+  // Hand freed frames' pages to the next frames through the allocator's page
+  // pool where it has one (FrameAllocator::pool, page_pool.h), bounded by
+  // the budget: read by the allocator's owner (TensorPager), which builds
+  // the allocator with or without it.
+  bool page_pool = true;
 };
 
 class Pager {
@@ -219,6 +228,9 @@ class Pager {
   // Shared with frames' on_free callbacks, which may outlive the pager.
   struct Accounting {
     std::atomic<std::uint64_t> charged{0};
+    // A copy of budget_ for the page pool's bound (page_pool.h), which is
+    // read on whatever thread frees a frame, without mu_.
+    std::atomic<std::uint64_t> budget{0};
     std::mutex mu;
     std::condition_variable cv;
     // Guarded by mu: the readahead thread runs readahead once charged drops
@@ -285,8 +297,9 @@ class Pager {
   // Drops the graveyard's frames with the lock released.
   void drop_graveyard_unlocked(Lock& lock);
   // Evicts (and waits) until `need` more bytes fit in the budget, or, with
-  // `or_free_frame`, until a kept free frame fits `for_page`; drops the
-  // lock. Throws BudgetError naming `for_page` when neither can be had.
+  // `or_free_frame` (a fault's read of `for_page`), until a kept free frame
+  // fits `for_page` or another thread has started that read; drops the
+  // lock. Throws BudgetError naming `for_page` when none of these can be had.
   void make_room_locked(
       Lock& lock, std::uint64_t need, PageId for_page, bool or_free_frame = false);
   // A kept free frame for a page of `frame_bytes` usable bytes (reserving

@@ -863,6 +863,63 @@ TEST_CASE("pager: an evicted page's unreferenced frame stays charged and the nex
   p.release(3);
 }
 
+TEST_CASE("pager: frames fill from the page pool, which holds only the budget's room") {
+  if (!PagePool::supported()) {
+    return;
+  }
+  // Pages streamed through a budget of 3, then one of twice the size:
+  // charged pages plus the pool never pass the budget.
+  Fixture fx(4, 59, "pager_pool.bin");
+  auto alloc = std::make_shared<HeapFrameAllocator>();
+  PagePool* pool = alloc->pool();
+  REQUIRE(pool != nullptr);
+  std::uint64_t pool_left = 0;
+  {
+    Pager p(config(3, Policy::lru, 0), alloc);
+    fx.register_pages(p);
+    FileId file = p.add_file(fx.path);
+    PageSpec big;
+    big.name = "big";
+    big.frame_bytes = 2 * kPage;
+    big.extents.push_back(Extent{file, 0, 2 * kPage, 2 * kPage, 0});
+    PageId b = p.add_page(std::move(big));
+    auto within = [&] { return p.stats().resident_bytes_now + pool->bytes() <= p.budget(); };
+    for (PageId id : {0, 1, 2, 3, 0, 1}) {
+      p.acquire(id);
+      p.release(id);
+      CHECK(within());
+    }
+    // Freed frames' pages went to the pool, and the next frames took them
+    // (malloc hands a freed chunk out again: its pages had left).
+    CHECK(pool->taken_bytes() > 0);
+    CHECK(pool->filled_bytes() > 0);
+    p.evict_all();
+    CHECK(within());
+    CHECK_EQ(p.stats().resident_bytes_now, 0u);
+    // A frame of another size: whatever malloc hands out unpopulated comes
+    // from the pool; the rest of the pool goes if the budget has no room.
+    Frame fb = p.acquire(b);
+    CHECK(check::matches_pattern(fb.data, 2 * kPage, fx.seed, 0));
+    CHECK(within());
+    fb = Frame{};
+    p.release(b);
+    p.evict_all();
+    CHECK(pool->bytes() > 0);
+    // A smaller budget trims the pool to its room.
+    p.acquire(0);
+    p.set_budget(kPage + kPage / 2);
+    CHECK(within());
+    p.release(0);
+    pool_left = pool->bytes();
+    CHECK(pool_left <= kPage / 2);
+  }
+  // The pager gone, nothing bounds the pool: it holds nothing.
+  CHECK_EQ(pool->bytes(), 0u);
+  Frame f = alloc->allocate(kPage, [] {});
+  f = Frame{};
+  CHECK_EQ(pool->bytes(), 0u);
+}
+
 TEST_CASE("pager: a kept frame that fits no read is dropped before another page is evicted") {
   Fixture fx(4, 58, "pager_keep_drop.bin");
   PagerConfig c = config(3, Policy::lru, 0);
