@@ -7,8 +7,10 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <mlx/allocator.h>
+#include <mlx/device.h>
 
 #include "mm/direct_io.h"
 
@@ -31,7 +33,25 @@ MlxFrameAllocator::Kept::~Kept() {
   }
 }
 
-MlxFrameAllocator::MlxFrameAllocator() : kept_(std::make_shared<Kept>()) {}
+MlxFrameAllocator::MlxFrameAllocator(bool page_pool) : kept_(std::make_shared<Kept>()) {
+  // MLX's CPU allocator's buffers are malloc's memory, whose pages may move
+  // (page_pool.h); a GPU backend's are not.
+  if (page_pool && PagePool::supported() && !mx::is_available(mx::Device::gpu)) {
+    kept_->pool = std::make_shared<PagePool>();
+  }
+}
+
+PagePool* MlxFrameAllocator::pool() {
+  return kept_->pool.get();
+}
+
+std::uint64_t MlxFrameAllocator::pooled_bytes() const {
+  return kept_->pool != nullptr ? kept_->pool->bytes() : 0;
+}
+
+std::uint64_t MlxFrameAllocator::pooled_filled_bytes() const {
+  return kept_->pool != nullptr ? kept_->pool->filled_bytes() : 0;
+}
 
 std::uint64_t MlxFrameAllocator::drop_kept() {
   void* b = nullptr;
@@ -43,6 +63,9 @@ std::uint64_t MlxFrameAllocator::drop_kept() {
   }
   if (b != nullptr) {
     mx::allocator::allocator().free(mx::allocator::Buffer(b));
+  }
+  if (kept_->pool != nullptr) {
+    n += kept_->pool->trim(0);
   }
   return n;
 }
@@ -78,7 +101,8 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   // new frame never lands beside a stale one.
   mx::allocator::Buffer buf(nullptr);
   void* stale = nullptr;
-  {
+  std::shared_ptr<PagePool> pool = kept_->pool;
+  if (pool == nullptr) {
     std::lock_guard<std::mutex> lock(kept_->mu);
     if (kept_->buffer != nullptr) {
       void* b = std::exchange(kept_->buffer, nullptr);
@@ -100,6 +124,30 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   }
   if (buf.ptr() == nullptr) {
     buf = mlx_alloc.malloc(request);
+    if (pool != nullptr && buf.ptr() != nullptr && mlx_alloc.size(buf) > request) {
+      // MLX's cache handed back a larger buffer: with the pool, freed
+      // frames' shells (their pages gone to the pool) sit in MLX's cache, and
+      // a page a little smaller than the last one would be charged the
+      // difference (a one-page budget then evicts the page read ahead for
+      // the next use). Hold it aside for a buffer of the exact size; they
+      // go back to the cache.
+      std::vector<mx::allocator::Buffer> aside;
+      for (int tries = 0; tries < 4 && buf.ptr() != nullptr && mlx_alloc.size(buf) > request;
+           ++tries) {
+        aside.push_back(buf);
+        buf = mlx_alloc.malloc(request);
+      }
+      if (buf.ptr() == nullptr || mlx_alloc.size(buf) > request) {
+        if (buf.ptr() != nullptr) {
+          aside.push_back(buf);
+        }
+        buf = aside.front();  // the first, as any allocation would have had
+        aside.erase(aside.begin());
+      }
+      for (mx::allocator::Buffer b : aside) {
+        mlx_alloc.free(b);
+      }
+    }
   }
   if (buf.ptr() == nullptr) {
     throw std::bad_alloc();
@@ -111,12 +159,31 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   auto* raw = static_cast<char*>(buf.raw_ptr());
   std::uint64_t offset = align_up(reinterpret_cast<std::uintptr_t>(raw), kIoAlign) -
       reinterpret_cast<std::uintptr_t>(raw);
+  std::uint64_t footprint = std::max(exact, request);
+  if (pool != nullptr) {
+    // Pages freed frames left behind, in place of fresh ones.
+    pool->fill(raw + offset, bytes);
+  }
   mx::array base(
       mx::allocator::Data(
           buf,
-          [on_free = std::move(on_free), handed_out, kept = kept_](mx::allocator::Buffer b) {
-            // Keep this frame for the next read; free the one kept before.
+          [on_free = std::move(on_free), handed_out, kept = kept_, offset, bytes,
+           footprint](mx::allocator::Buffer b) {
             mx::allocator::Allocator& a = mx::allocator::allocator();
+            if (kept->pool != nullptr) {
+              // Its pages go to the pool (as far as the budget has room
+              // once this frame's charge is credited back), the buffer to
+              // MLX.
+              kept->pool->put(
+                  static_cast<char*>(b.raw_ptr()) + offset, bytes,
+                  handed_out->load() ? footprint : 0);
+              a.free(b);
+              if (handed_out->load()) {
+                on_free();
+              }
+              return;
+            }
+            // Keep this frame for the next read; free the one kept before.
             std::uint64_t size = a.size(b);
             void* old = nullptr;
             {
@@ -135,7 +202,7 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   Frame f;
   f.data = raw + offset;
   f.size = bytes;
-  f.footprint = std::max(exact, request);
+  f.footprint = footprint;
   f.owner = std::make_shared<MlxFrameOwner>(MlxFrameOwner{std::move(base), offset});
   handed_out->store(true);
   return f;

@@ -17,6 +17,14 @@
 // within the page budget: the plan needs no slack for it. Freeing frames to MLX instead costs a
 // fresh mapping (page faults, zeroing) per read, and MLX's own cache keeps a freed frame only when
 // its limit has room, which activations may have taken.
+//
+// Where MLX's buffers are this process's malloc memory (the CPU backend) and
+// the platform can move pages (Linux), a page pool (page_pool.h) takes the
+// kept frame's place: a freed frame's pages go to the pool, its buffer to
+// MLX, and the next frames, of any size, take the pool's pages in place of
+// fresh ones. Pages of several sizes (a block in parts) then land in memory
+// already mapped too. The pool is memory outside MLX's counts
+// (pooled_bytes), within the page budget (the pager bounds it).
 #pragma once
 
 #include <memory>
@@ -32,16 +40,24 @@ namespace mx = mlx::core;
 
 class MlxFrameAllocator : public FrameAllocator {
  public:
-  MlxFrameAllocator();
+  // page_pool: use a page pool where the backend and platform allow it;
+  // false: the one kept frame.
+  explicit MlxFrameAllocator(bool page_pool = true);
   std::uint64_t footprint(std::uint64_t bytes) const override;
   Frame allocate(std::uint64_t bytes, std::function<void()> on_free) override;
   // No lease and no array view holds the frame's buffer.
   bool unshared(const Frame& frame) const override;
   // Frees the kept frame to MLX (then mx.clear_cache() can return it to the
-  // OS). Returns its bytes (0: none was kept).
+  // OS) and the page pool's pages to the OS. Returns their bytes (0: none
+  // were kept).
   std::uint64_t drop_kept();
-  // The kept frame's bytes (0: none).
+  // The kept frame's bytes (0: none): MLX's active memory counts them.
   std::uint64_t kept_bytes() const;
+  // The page pool's bytes (0: none): memory outside MLX's counts.
+  std::uint64_t pooled_bytes() const;
+  // Bytes frames took from the page pool in place of fresh memory.
+  std::uint64_t pooled_filled_bytes() const;
+  PagePool* pool() override;
 
   // A row-major array of `dtype` and `shape` viewing the frame at
   // `frame_offset` (which must be a multiple of the dtype's size). The view
@@ -62,6 +78,10 @@ class MlxFrameAllocator : public FrameAllocator {
     mutable std::mutex mu;
     void* buffer = nullptr;  // an mx::allocator::Buffer's ptr(); null: none
     std::uint64_t size = 0;  // its size from MLX's allocator
+    // Where MLX's buffers are host memory that can move (CPU backend, Linux):
+    // freed frames' pages, in place of the kept frame (set once, at
+    // construction).
+    std::shared_ptr<PagePool> pool;
   };
 
  private:

@@ -27,7 +27,7 @@ static std::uint64_t spec_nbytes(const TensorSpec& t) {
 }
 
 TensorPager::TensorPager(PagerConfig config)
-    : alloc_(std::make_shared<MlxFrameAllocator>()), pager_(config, alloc_) {}
+    : alloc_(std::make_shared<MlxFrameAllocator>(config.page_pool)), pager_(config, alloc_) {}
 
 PageId TensorPager::add(PageSpec spec, std::vector<Placed> tensors) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -99,7 +99,7 @@ void init_pager(nb::module_& m) {
           "__init__",
           [](TensorPager* self, std::uint64_t budget_bytes, const std::string& policy,
              int readahead, int io_threads, std::uint64_t io_chunk_bytes, bool direct_io,
-             const std::string& readahead_mode, bool keep_free_frames) {
+             const std::string& readahead_mode, bool keep_free_frames, bool page_pool) {
             PagerConfig c;
             if (readahead_mode != "conservative" && readahead_mode != "aggressive") {
               throw std::invalid_argument(
@@ -114,11 +114,12 @@ void init_pager(nb::module_& m) {
             c.io_chunk_bytes = io_chunk_bytes;
             c.direct_io = direct_io;
             c.keep_free_frames = keep_free_frames;
+            c.page_pool = page_pool;
             new (self) TensorPager(c);
           },
           "budget_bytes"_a, "policy"_a = "optimal", "readahead"_a = 2, "io_threads"_a = 4,
           "io_chunk_bytes"_a = kDefaultIoChunkBytes, "direct_io"_a = true,
-          "readahead_mode"_a = "conservative", "keep_free_frames"_a = true)
+          "readahead_mode"_a = "conservative", "keep_free_frames"_a = true, "page_pool"_a = true)
       .def(
           "add_page_in_place",
           [](TensorPager& tp, const std::string& name, const std::vector<InPlaceTensor>& tensors,
@@ -202,10 +203,12 @@ void init_pager(nb::module_& m) {
           "(PagerConfig::keep_free_frames); returns their bytes.")
       .def(
           "drop_kept_frame", [](TensorPager& tp) { return tp.frames().drop_kept(); },
-          "Frees the frame kept for the next read to MLX (mlx_frames.h); returns its bytes.")
+          "Frees the frame kept for the next read to MLX and the page pool's pages to the OS\n"
+          "(mlx_frames.h); returns their bytes.")
       .def(
           "kept_frame_bytes", [](const TensorPager& tp) { return tp.frames().kept_bytes(); },
-          "Bytes of the frame kept for the next read (no longer charged to the budget).")
+          "Bytes of the frame kept for the next read (no longer charged to the budget; in MLX's\n"
+          "active memory). The page pool's, outside MLX's counts: stats()['pool_bytes'].")
       .def(
           "reset_peak", [](TensorPager& tp) { tp.pager().reset_peak(); },
           "Starts stats()['peak_resident_bytes'] over from what is resident now.")
@@ -268,7 +271,17 @@ void init_pager(nb::module_& m) {
           "page_bytes",
           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; },
           "page"_a, "Bytes of the page's frame in memory.")
-      .def("stats", [](const TensorPager& tp) { return stats_dict(tp.pager().stats()); })
+      .def(
+          "stats",
+          [](const TensorPager& tp) {
+            nb::dict d = stats_dict(tp.pager().stats());
+            // The page pool's (mlx_frames.h): memory outside MLX's counts,
+            // and the bytes frames took from it in place of fresh memory.
+            const MlxFrameAllocator& frames = tp.frames();
+            d["pool_bytes"] = frames.pooled_bytes();
+            d["pool_filled_bytes"] = frames.pooled_filled_bytes();
+            return d;
+          })
       .def(
           "enable_trace", [](TensorPager& tp, bool on) { tp.pager().set_tracing(on); },
           "on"_a = true, "Starts (True) or stops recording the pager's events (csrc/mm/trace.h).")

@@ -607,10 +607,11 @@ def paged(
     dora: bool = False,
     lora=LORA,
     page_parts: Optional[int] = 1,
+    pager_options: Optional[dict] = None,
 ):
     """The same model with its frozen weights paged (PagedWeights, each
-    block in at most `page_parts` pages), the same adapters. Returns
-    (model, weights)."""
+    block in at most `page_parts` pages; `pager_options` for its Pager),
+    the same adapters. Returns (model, weights)."""
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
 
@@ -619,7 +620,15 @@ def paged(
 
     model, _ = load_model(Path(path), lazy=True)
     model.freeze()
-    w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=cache_dir, store=store, page_parts=page_parts)
+    w = PagedWeights(
+        model,
+        path,
+        budget_bytes=1 << 30,
+        ssd_cache_dir=cache_dir,
+        store=store,
+        page_parts=page_parts,
+        pager_options=pager_options,
+    )
     w.pin_resident()
     mx.random.seed(0)
     linear_to_lora_layers(model, num_layers, lora, use_dora=dora)

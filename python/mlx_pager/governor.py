@@ -177,9 +177,9 @@ class Governor:
         limit = self.plan.budget - self.margin
         if rss <= limit:
             return
-        # Evicted pages' frames kept for the next reads, then the one frame
-        # MLX's allocator keeps (the last of them lands there), go with MLX's
-        # cache.
+        # Evicted pages' frames kept for the next reads, then what the
+        # frame allocator keeps for them (the page pool, or one frame:
+        # mlx_frames.h), go with MLX's cache.
         drop_free = getattr(self.pager, "drop_free_frames", None)
         if drop_free is not None:
             drop_free()

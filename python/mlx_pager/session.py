@@ -204,7 +204,7 @@ class Session:
             self.spill.close()
             self.spill = None
         self.weights.pager.evict_all()
-        self.weights.pager.drop_kept_frame()  # the frames kept for reads (mlx_frames.h)
+        self.weights.pager.drop_kept_frame()  # the frame and pool kept for reads (mlx_frames.h)
         release_heap()
 
     @property
@@ -313,7 +313,10 @@ class Session:
         follows: follow_pages). Returns True when the slack changed."""
         again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled)
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
-        self.outside_grown.append(outside_mlx(process_rss()) - self.outside_base)
+        # The page pool's pages (mlx_frames.h) are the pages' memory, inside
+        # the page budget, though outside MLX's counts.
+        pooled = self.weights.pager.stats().get("pool_bytes", 0)
+        self.outside_grown.append(outside_mlx(process_rss()) - pooled - self.outside_base)
         needed = max(self.slack_needed[1:] or self.slack_needed)
         # What a step needed is memory outside MLX plus what MLX's cache held
         # at its peak, and the cache differs from step to step: a page frame

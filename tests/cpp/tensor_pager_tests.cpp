@@ -68,6 +68,14 @@ PagerConfig cfg(std::uint64_t budget) {
   return c;
 }
 
+// The one kept frame in place of the page pool (what backends and platforms
+// without one run: mlx_frames.h).
+PagerConfig cfg_kept_frame(std::uint64_t budget) {
+  PagerConfig c = cfg(budget);
+  c.page_pool = false;
+  return c;
+}
+
 std::vector<FileTensor> from_index(const SafetensorsIndex& idx) {
   std::vector<FileTensor> out;
   for (auto& [name, e] : idx.tensors) {
@@ -154,7 +162,7 @@ TEST_CASE("tensor_pager: eviction frees MLX memory once the arrays are gone") {
   std::string path = check::temp_dir() + "/big.safetensors";
   mx::save_safetensors(path, big);
   big.clear();
-  TensorPager tp(cfg(16 << 20));
+  TensorPager tp(cfg_kept_frame(16 << 20));
   PageId id = tp.add_page_in_place("big", from_index(read_safetensors_index(path)));
   std::size_t before = mx::get_active_memory();
   {
@@ -218,7 +226,7 @@ TEST_CASE("tensor_pager: a kept frame a page does not fit is freed before its fr
   mx::save_safetensors(large_path, large);
   small.clear();
   large.clear();
-  TensorPager tp(cfg(16 << 20));
+  TensorPager tp(cfg_kept_frame(16 << 20));
   PageId a = tp.add_page_in_place("small", from_index(read_safetensors_index(small_path)));
   PageId b = tp.add_page_in_place("large", from_index(read_safetensors_index(large_path)));
   std::size_t before = mx::get_active_memory();
@@ -237,6 +245,48 @@ TEST_CASE("tensor_pager: a kept frame a page does not fit is freed before its fr
   tp.pager().evict_all();
   tp.frames().drop_kept();
   CHECK(mx::get_active_memory() <= before);
+}
+
+TEST_CASE("tensor_pager: a page of another size lands in the pages an evicted one left") {
+  std::unordered_map<std::string, mx::array> small = {{"w", mx::ones({1024, 1024})}};
+  std::unordered_map<std::string, mx::array> large = {{"w", mx::full({1536, 1024}, 2.0f)}};
+  mx::eval(small.at("w"), large.at("w"));
+  std::string small_path = check::temp_dir() + "/pool_small.safetensors";
+  std::string large_path = check::temp_dir() + "/pool_large.safetensors";
+  mx::save_safetensors(small_path, small);
+  mx::save_safetensors(large_path, large);
+  small.clear();
+  large.clear();
+  TensorPager tp(cfg(8 << 20));
+  PagePool* pool = tp.frames().pool();
+  if (pool == nullptr) {
+    return;  // a GPU backend, or no mremap: the kept frame's tests cover it
+  }
+  PageId a = tp.add_page_in_place("small", from_index(read_safetensors_index(small_path)));
+  PageId b = tp.add_page_in_place("large", from_index(read_safetensors_index(large_path)));
+  std::size_t before = mx::get_active_memory();
+  CHECK_EQ(mx::sum(tp.acquire(a)[0].second).item<float>(), 1024.0f * 1024.0f);
+  tp.release(a);
+  tp.pager().evict_all();
+  // Its 4 MB of pages went to the pool, its buffer to MLX; no kept frame.
+  CHECK(tp.frames().pooled_bytes() >= (4u << 20) - 4096);
+  CHECK_EQ(tp.frames().kept_bytes(), 0u);
+  CHECK(mx::get_active_memory() <= before);
+  {
+    NamedArrays got = tp.acquire(b);  // 6 MB: the pool's 4, 2 fresh
+    CHECK(tp.frames().pooled_filled_bytes() >= (4u << 20) - 4096);
+    CHECK_EQ(tp.frames().pooled_bytes(), 0u);
+    CHECK_EQ(mx::sum(got[0].second).item<float>(), 2.0f * 1536.0f * 1024.0f);
+    tp.release(b);
+  }
+  // Both pages in 8 MB, not one beside the other: the pool gives back what
+  // the charged pages leave no room for.
+  CHECK_EQ(mx::sum(tp.acquire(a)[0].second).item<float>(), 1024.0f * 1024.0f);
+  tp.release(a);
+  CHECK(tp.pager().stats().resident_bytes_now + tp.frames().pooled_bytes() <= (8u << 20));
+  tp.pager().evict_all();
+  CHECK(tp.frames().drop_kept() > 0);
+  CHECK_EQ(tp.frames().pooled_bytes(), 0u);
 }
 
 TEST_CASE(

@@ -2,6 +2,7 @@
 bytes for every dtype, the budget against Belady, errors naming the page."""
 
 import os
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -162,15 +163,52 @@ def test_bad_inputs_are_errors_not_crashes(tmp_path):
         p.acquire("nope")
 
 
+def test_freed_frames_pages_go_to_the_next_frames_within_the_budget(tmp_path):
+    # mlx_frames.h, page_pool.h: where the page pool runs (Linux, MLX's CPU
+    # backend), a freed frame's pages go to the pool, not its buffer; frames
+    # of other sizes take them; pages plus pool stay within the budget, and
+    # dropping the kept memory empties the pool.
+    sizes = [(64, 256), (96, 256), (48, 256), (96, 256)]
+    blocks = {f"b{i}": mx.full(shape, float(i)) for i, shape in enumerate(sizes)}
+    path = tmp_path / "blocks.safetensors"
+    mx.save_safetensors(str(path), blocks)
+    tensors, _, _ = read_safetensors_index(str(path))
+    p = Pager(1, readahead=0, policy="lru")
+    ids = []
+    for i in range(len(sizes)):
+        dt, shape, off, nb = tensors[f"b{i}"]
+        ids.append(p.add_page_in_place(f"p{i}", [(f"b{i}", str(path), off, nb, dt, shape)]))
+    budget = max(p.page_bytes(i) for i in ids) + 3 * 4096  # one frame
+    p.set_budget(budget)
+    if sys.platform != "linux" or mx.metal.is_available() or mx.cuda.is_available():
+        assert p.stats()["pool_bytes"] == 0  # no pool: the kept frame (test above)
+        return
+    for i in ids + ids:
+        arrays = p.acquire(i)
+        assert same_bytes(arrays[f"b{i}"], blocks[f"b{i}"])
+        assert p.stats()["resident_bytes"] + p.stats()["pool_bytes"] <= budget
+        p.release(i)
+        del arrays
+        p.evict_all()
+        assert p.kept_frame_bytes() == 0  # the pool in its place
+        assert 0 < p.stats()["pool_bytes"] <= budget
+    # Every read after the first landed (mostly) in pages the one before left.
+    assert p.stats()["pool_filled_bytes"] >= sum(p.page_bytes(i) for i in ids[1:]) // 2
+    pooled = p.stats()["pool_bytes"]
+    assert p.drop_kept_frame() == pooled
+    assert p.stats()["pool_bytes"] == 0
+
+
 def test_a_freed_frame_is_kept_for_the_next_read_and_can_be_dropped(tmp_path):
-    # mlx_frames.h: the last frame freed is reused by the next read that fits
-    # it (memory already mapped), outside the page budget; dropping it frees it.
+    # mlx_frames.h, without the page pool (a GPU backend, macOS): the last
+    # frame freed is reused by the next read that fits it (memory already
+    # mapped), outside the page budget; dropping it frees it.
     n = 3
     blocks = {f"b{i}": mx.full((64, 256), float(i)) for i in range(n)}
     path = tmp_path / "blocks.safetensors"
     mx.save_safetensors(str(path), blocks)
     tensors, _, _ = read_safetensors_index(str(path))
-    p = Pager(1, readahead=0, policy="lru")
+    p = Pager(1, readahead=0, policy="lru", page_pool=False)
     ids = []
     for i in range(n):
         dt, shape, off, nb = tensors[f"b{i}"]
