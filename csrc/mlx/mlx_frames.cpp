@@ -65,7 +65,7 @@ std::uint64_t MlxFrameAllocator::drop_kept() {
     mx::allocator::allocator().free(mx::allocator::Buffer(b));
   }
   if (kept_->pool != nullptr) {
-    n += kept_->pool->trim(0);
+    n += kept_->pool->release();
   }
   return n;
 }

@@ -48,8 +48,9 @@ class MlxFrameAllocator : public FrameAllocator {
   // No lease and no array view holds the frame's buffer.
   bool unshared(const Frame& frame) const override;
   // Frees the kept frame to MLX (then mx.clear_cache() can return it to the
-  // OS) and the page pool's pages to the OS. Returns their bytes (0: none
-  // were kept).
+  // OS) and the page pool's pages to the OS; the pool keeps no freed frame's
+  // pages until the next frame is allocated (PagePool::release). Returns
+  // their bytes (0: none were kept).
   std::uint64_t drop_kept();
   // The kept frame's bytes (0: none): MLX's active memory counts them.
   std::uint64_t kept_bytes() const;

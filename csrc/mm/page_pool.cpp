@@ -83,7 +83,7 @@ std::uint64_t PagePool::put(void* p, std::uint64_t len, std::uint64_t freeing) {
   char* a = reinterpret_cast<char*>((begin + pg - 1) / pg * pg);
   char* e = reinterpret_cast<char*>((begin + len) / pg * pg);
   std::lock_guard<std::mutex> lock(mu_);
-  if (!room_ || e <= a || g_no_dontunmap.load()) {
+  if (!room_ || paused_ || e <= a || g_no_dontunmap.load()) {
     return 0;
   }
   std::uint64_t room = room_(freeing);
@@ -155,6 +155,7 @@ std::uint64_t PagePool::fill(void* p, std::uint64_t len) {
   char* a = reinterpret_cast<char*>((begin + pg - 1) / pg * pg);
   char* e = reinterpret_cast<char*>((begin + len) / pg * pg);
   std::lock_guard<std::mutex> lock(mu_);
+  paused_ = false;  // paging again: frames freed from now on are kept
   if (pieces_.empty()) {
     return 0;
   }
@@ -198,6 +199,12 @@ std::uint64_t PagePool::fill(void* p, std::uint64_t len) {
 std::uint64_t PagePool::trim(std::uint64_t keep) {
   std::lock_guard<std::mutex> lock(mu_);
   return trim_locked(keep);
+}
+
+std::uint64_t PagePool::release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  paused_ = true;
+  return trim_locked(0);
 }
 
 std::uint64_t PagePool::trim_to_room() {

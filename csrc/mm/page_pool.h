@@ -67,6 +67,10 @@ class PagePool {
   std::uint64_t trim(std::uint64_t keep);
   // Trims the pool to its room now.
   std::uint64_t trim_to_room();
+  // Unmaps every pooled page, and keeps none that put() offers until the
+  // next fill() (paging has stopped: a closed session's frames freed late
+  // would otherwise wait in the pool). Returns the bytes released.
+  std::uint64_t release();
 
   std::uint64_t bytes() const;
   // Counters since construction: bytes moved into frames by fill(), and
@@ -88,6 +92,7 @@ class PagePool {
   Room room_;
   std::vector<Piece> pieces_;  // disjoint mappings of resident pages
   std::uint64_t bytes_ = 0;
+  bool paused_ = false;  // release() until the next fill()
   std::uint64_t filled_ = 0;
   std::uint64_t taken_ = 0;
 };

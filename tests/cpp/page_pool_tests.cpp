@@ -129,6 +129,15 @@ TEST_CASE("page_pool: it holds no more than its room, and nothing without one") 
   CHECK_EQ(pool.bytes(), 5 * kPg);
   CHECK_EQ(pool.trim(0), 5 * kPg);
   CHECK_EQ(pool.bytes(), 0u);
+  // Released (paging stopped): nothing is kept until the next fill.
+  budget = charged + 64 * kPg;
+  Region d(4);
+  d.touch(3);
+  CHECK_EQ(pool.release(), 0u);
+  CHECK_EQ(pool.put(d.p, d.n, 0), 0u);
+  Region f(4);
+  CHECK_EQ(pool.fill(f.p, f.n), 0u);  // nothing to move, but paging again
+  CHECK_EQ(pool.put(d.p, d.n, 0), 4 * kPg);
 }
 
 TEST_CASE("page_pool: only resident pages are taken, only unpopulated ones filled") {
