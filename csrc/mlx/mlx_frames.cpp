@@ -174,11 +174,11 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
               // Its pages go to the pool (as far as the budget has room
               // once this frame's charge is credited back), the buffer to
               // MLX.
+              bool charged = handed_out->load();
               kept->pool->put(
-                  static_cast<char*>(b.raw_ptr()) + offset, bytes,
-                  handed_out->load() ? footprint : 0);
+                  static_cast<char*>(b.raw_ptr()) + offset, bytes, charged ? footprint : 0);
               a.free(b);
-              if (handed_out->load()) {
+              if (charged) {
                 on_free();
               }
               return;

@@ -24,6 +24,15 @@ namespace {
 // The kernel refused MREMAP_DONTUNMAP once: put() keeps nothing.
 std::atomic<bool> g_no_dontunmap{false};
 
+// The whole pages inside [p, p + len): [first, end), empty (first == end)
+// when there are none.
+std::pair<char*, char*> whole_pages(void* p, std::uint64_t len, std::uint64_t pg) {
+  auto begin = reinterpret_cast<std::uintptr_t>(p);
+  auto first = (begin + pg - 1) / pg * pg;
+  auto end = std::max(first, (begin + len) / pg * pg);
+  return {reinterpret_cast<char*>(first), reinterpret_cast<char*>(end)};
+}
+
 // Calls f(run, run_bytes, resident) for each run of pages in [a, e) (page
 // aligned) that are all resident or all not. False when the range is not
 // all mapped.
@@ -79,11 +88,9 @@ void PagePool::set_room(Room room) {
 std::uint64_t PagePool::put(void* p, std::uint64_t len, std::uint64_t freeing) {
 #if MLX_PAGER_PAGE_POOL
   const std::uint64_t pg = page_size();
-  auto begin = reinterpret_cast<std::uintptr_t>(p);
-  char* a = reinterpret_cast<char*>((begin + pg - 1) / pg * pg);
-  char* e = reinterpret_cast<char*>((begin + len) / pg * pg);
+  auto [a, e] = whole_pages(p, len, pg);
   std::lock_guard<std::mutex> lock(mu_);
-  if (!room_ || paused_ || e <= a || g_no_dontunmap.load()) {
+  if (!room_ || paused_ || e == a || g_no_dontunmap.load()) {
     return 0;
   }
   std::uint64_t room = room_(freeing);
@@ -151,16 +158,14 @@ std::uint64_t PagePool::move_out_locked(char* run, std::uint64_t n) {
 std::uint64_t PagePool::fill(void* p, std::uint64_t len) {
 #if MLX_PAGER_PAGE_POOL
   const std::uint64_t pg = page_size();
-  auto begin = reinterpret_cast<std::uintptr_t>(p);
-  char* a = reinterpret_cast<char*>((begin + pg - 1) / pg * pg);
-  char* e = reinterpret_cast<char*>((begin + len) / pg * pg);
+  auto [a, e] = whole_pages(p, len, pg);
   std::lock_guard<std::mutex> lock(mu_);
   paused_ = false;  // paging again: frames freed from now on are kept
   if (pieces_.empty()) {
     return 0;
   }
   std::uint64_t moved = 0;
-  for_each_run(a, std::max(a, e), pg, [&](char* run, std::uint64_t n, bool resident) {
+  for_each_run(a, e, pg, [&](char* run, std::uint64_t n, bool resident) {
     if (resident) {
       return true;
     }
