@@ -4,6 +4,9 @@
 // acquire(p):
 //   resident  -> hit (or readahead hit), refs++
 //   in_flight -> wait for the read already under way (time counted as I/O wait)
+// Until it takes its ref the acquire holds the page as a waiter, so that the
+// read it waits for is not evicted the moment it lands; and while it makes
+// room for its own read, readahead starts nothing (the fault comes first).
 //   on_disk   -> fault: make room, allocate a frame, submit the read as urgent,
 //                then wait like in_flight
 // A read failing puts the page back on disk with its error; the acquire that
@@ -40,6 +43,27 @@ Frame Pager::acquire(PageId id) {
   PageEntry& e = table_.at(id);  // throws std::out_of_range
   ++stat_.acquires;
   advance_cursor_locked(lock, id);
+  // From here until it takes its ref, this acquire holds the page (waiters):
+  // the cursor has moved past it, so once its read lands its next use looks
+  // a cycle away, and readahead, on any thread, would evict it before this
+  // thread takes the lock back (start_read_locked and the wait drop it),
+  // then read it again for this very acquire.
+  ++e.waiters;
+  struct Unwait {  // destroyed before `lock`
+    Lock& lock;
+    PageEntry& e;
+    bool waiting = true;
+    void done() {
+      if (waiting) {
+        if (!lock.owns_lock()) {
+          lock.lock();
+        }
+        --e.waiters;
+        waiting = false;
+      }
+    }
+    ~Unwait() { done(); }
+  } unwait{lock, e};
   bool counted = false;
   bool rebuilt = false;
   // Read `gen` of the page failed: rebuild its bytes once where the page is
@@ -68,6 +92,7 @@ Frame Pager::acquire(PageId id) {
       }
       e.prefetched = false;
       ++e.refs;
+      unwait.done();
       e.last_access = ++access_clock_;
       Frame f = e.frame;
       lock.unlock();
@@ -157,7 +182,20 @@ std::uint64_t Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   PageEntry& e = table_.at(id);
   std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
   if (urgent) {
-    make_room_locked(lock, need, id, /*or_free_frame=*/true);
+    // While this fault makes room (it may wait, unlocked), readahead starts
+    // nothing: the room is this page's, needed before any page readahead
+    // would read (readahead.cpp). Then the readahead thread looks again; it
+    // takes mu_ only once this read holds its charge.
+    ++faults_making_room_;
+    try {
+      make_room_locked(lock, need, id, /*or_free_frame=*/true);
+    } catch (...) {
+      --faults_making_room_;
+      throw;
+    }
+    if (--faults_making_room_ == 0) {
+      accounting_->wake_readahead();
+    }
   }
   // make_room may have waited with the lock released: another thread may have
   // started this very read meanwhile.

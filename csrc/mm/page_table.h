@@ -78,6 +78,9 @@ struct PageEntry {
   std::uint64_t charged = 0;  // bytes this page holds against the budget
   int refs = 0;               // acquire() calls not yet released
   int leases = 0;             // of those, acquire_lease() calls (released by release_lease())
+  // acquire() calls waiting for this page's read. They hold it like refs:
+  // once it lands it is theirs, though it holds no ref until they wake.
+  int waiters = 0;
   bool pinned = false;
   bool mlocked = false;
   bool prefetched = false;  // read by readahead and not yet acquired
@@ -86,6 +89,11 @@ struct PageEntry {
   std::uint64_t failed_gen = 0;
   std::string error;     // message of the last failed read
   bool corrupt = false;  // the last failed read read wrong bytes (twice)
+
+  // In memory and wanted by no one: the pager may evict it.
+  bool evictable() const {
+    return state == PageState::resident && refs == 0 && waiters == 0 && !pinned;
+  }
 };
 
 class PageTable {

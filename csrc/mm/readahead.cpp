@@ -63,6 +63,9 @@ void Pager::readahead() {
   std::vector<bool> visited(table_.size(), false);
   std::size_t from = cursor_;
   for (std::size_t k = 0; k < schedule_.horizon(from) && seen < readahead_pages_; ++k) {
+    if (faults_making_room_ > 0) {
+      break;  // a fault's page comes first; it wakes readahead after
+    }
     if (cursor_ != from) {
       // An acquire moved the cursor while a read was being started (the
       // lock is dropped to submit): look again from there. Going on at
@@ -141,6 +144,9 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     if (e.state != PageState::on_disk) {
       return true;  // someone else started it while the lock was dropped
     }
+    if (faults_making_room_ > 0) {
+      return false;  // a fault began while the lock was dropped: it goes first
+    }
     std::uint64_t charged = charged_now();
     if (charged + need <= budget_ || free_frame_for_locked(lock, e.spec.frame_bytes, need) >= 0) {
       // Started (it may have landed, or failed, before this returns), or
@@ -168,8 +174,8 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     if (policy_ == Policy::optimal) {
       for (PageId other = 0; other < table_.size(); ++other) {
         const PageEntry& o = table_.at(other);
-        bool busy =
-            o.state == PageState::in_flight || (o.state == PageState::resident && o.refs > 0);
+        bool busy = o.state == PageState::in_flight ||
+            (o.state == PageState::resident && (o.refs > 0 || o.waiters > 0));
         if (busy && !o.pinned && other != id) {
           cands.push_back(Candidate{other, o.spec.priority, o.last_access, 0});
         }

@@ -74,7 +74,7 @@ std::vector<Candidate> Pager::evictable_locked(const Lock& lock) const {
   std::vector<Candidate> out;
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
-    if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
+    if (e.evictable()) {
       out.push_back(Candidate{id, e.spec.priority, e.last_access, schedule_.next_use(id, cursor_)});
     }
   }
@@ -84,7 +84,7 @@ std::vector<Candidate> Pager::evictable_locked(const Lock& lock) const {
 void Pager::evict_locked(const Lock& lock, PageId id) {
   MLX_PAGER_ASSERT_HELD(lock, mu_);
   PageEntry& e = table_.at(id);
-  MLX_PAGER_ASSERT(e.state == PageState::resident && e.refs == 0 && !e.pinned);
+  MLX_PAGER_ASSERT(e.evictable());
   std::uint64_t charged = e.charged;
   if (config_.keep_free_frames && allocator_->unshared(e.frame)) {
     // unshared() reads a use count (a relaxed load): order the last holder's
@@ -116,7 +116,7 @@ void Pager::evict_all() {
   std::unique_lock<std::mutex> lock(mu_);
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
-    if (e.state == PageState::resident && e.refs == 0 && !e.pinned) {
+    if (e.evictable()) {
       evict_locked(lock, id);
     }
   }
@@ -168,7 +168,7 @@ void Pager::discard(PageId id) {
   // A read in flight may have started before the rewrite: wait for it, then
   // drop what it read.
   cv_.wait(lock, [&] { return e.state != PageState::in_flight; });
-  if (e.refs > 0 || e.pinned) {
+  if (e.refs > 0 || e.waiters > 0 || e.pinned) {
     throw std::logic_error(
         "[Pager::discard] page '" + e.spec.name + "' is held or pinned; release it first");
   }

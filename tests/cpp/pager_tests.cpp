@@ -534,6 +534,44 @@ TEST_CASE("pager: a demand read that lands before its acquire looks again is a f
   CHECK_EQ(st.hits, 0u);
 }
 
+TEST_CASE(
+    "pager: a page that lands while its acquire waits is not evicted before the acquire takes it") {
+  // The acquire moves the cursor past the page, then waits for its read.
+  // When the read lands, readahead (run on landing, on any thread) looks at
+  // the next page; the landed page's next use is then a whole cycle away,
+  // so MIN would pick it. It is wanted now: a waiting acquire holds it.
+  // Three pages through a one-page budget, readahead 1: every page is read
+  // exactly once a cycle (no read, no eviction more), whoever wins the lock.
+  Fixture fx(3, 49, "pager_waiter.bin");
+  PagerConfig c = config(1, Policy::optimal, 1);
+  c.io_chunk_bytes = kPage;
+  Pager p(c, std::make_shared<HeapFrameAllocator>());
+  fx.register_pages(p);
+  p.set_schedule({0, 1, 2});
+  // Another thread runs readahead all the time, as MLX's threads do when
+  // they let go of leased pages (release_lease) or of evicted memory.
+  std::atomic<bool> stop{false};
+  std::thread contender([&] {
+    while (!stop.load()) {
+      (void)p.set_readahead_aggressive(false);
+    }
+  });
+  constexpr int kRounds = 1000;
+  for (int i = 0; i < kRounds; ++i) {
+    Frame f = p.acquire(i % 3);
+    CHECK(fx.frame_ok(f, i % 3));
+    f = Frame{};
+    p.release(i % 3);
+  }
+  stop = true;
+  contender.join();
+  VmStat st = settled(p);
+  // The last release may have read the next cycle's first page ahead.
+  CHECK(st.pages_read >= static_cast<std::uint64_t>(kRounds));
+  CHECK(st.pages_read <= static_cast<std::uint64_t>(kRounds) + 1);
+  CHECK_EQ(st.hits + st.readahead_hits + st.faults, static_cast<std::uint64_t>(kRounds));
+}
+
 TEST_CASE("pager: readahead that races an acquire does not skip the pages the cursor moved by") {
   // readahead() drops the lock to allocate each frame; an acquire meanwhile
   // moves the schedule's cursor. The pass must look again from the new

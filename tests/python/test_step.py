@@ -399,12 +399,7 @@ def test_a_streamed_tail_is_compiled_and_bitwise_step_after_step(
     b1 = (b1[0][:2], b1[1][:2])  # fewer rows: a new shape, traced again
     ref = reference(path, 3, dora=dora)
     vg = nn.value_and_grad(ref, default_loss)
-    # Without the page pool (mlx_frames.h): with it, reads land sooner, and
-    # in 1 run of 3 a page read ahead through the one-page budget was
-    # evicted before its use and read again (1-2 reads more than counted
-    # here): a race between readahead and the step's faults that faster
-    # reads expose, not the compiled tail's pattern this test checks.
-    model, w = paged(path, 3, "in_place", tmp_path, dora=dora, pager_options={"page_pool": False})
+    model, w = paged(path, 3, "in_place", tmp_path, dora=dora)
     L, first = len(model.layers), S.first_trained_block(model)
     page = max(w.page_bytes(i) for i in range(L)) + 2 * IO_ALIGN
     budget = w.resident_bytes + IO_ALIGN + pages * page
