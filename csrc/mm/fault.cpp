@@ -6,7 +6,7 @@
 //   in_flight -> wait for the read already under way (time counted as I/O wait)
 // Until it takes its ref the acquire holds the page as a waiter, so that the
 // read it waits for is not evicted the moment it lands; and while it makes
-// room for its own read, readahead starts nothing (the fault comes first).
+// room for its own read, that room is reserved from readahead.
 //   on_disk   -> fault: make room, allocate a frame, submit the read as urgent,
 //                then wait like in_flight
 // A read failing puts the page back on disk with its error; the acquire that
@@ -182,20 +182,18 @@ std::uint64_t Pager::start_read_locked(Lock& lock, PageId id, bool urgent) {
   PageEntry& e = table_.at(id);
   std::uint64_t need = allocator_->footprint(e.spec.frame_bytes);
   if (urgent) {
-    // While this fault makes room (it may wait, unlocked), readahead starts
-    // nothing: the room is this page's, needed before any page readahead
-    // would read (readahead.cpp). Then the readahead thread looks again; it
-    // takes mu_ only once this read holds its charge.
-    ++faults_making_room_;
+    // While this fault makes room (it may wait, unlocked), the room it
+    // needs is reserved: readahead, reading pages needed after this one,
+    // counts it as taken (readahead.cpp). Else it reads into the room made
+    // here, and the fault evicts that page again to fit its own.
+    fault_room_ += need;
     try {
       make_room_locked(lock, need, id, /*or_free_frame=*/true);
     } catch (...) {
-      --faults_making_room_;
+      fault_room_ -= need;
       throw;
     }
-    if (--faults_making_room_ == 0) {
-      accounting_->wake_readahead();
-    }
+    fault_room_ -= need;
   }
   // make_room may have waited with the lock released: another thread may have
   // started this very read meanwhile.

@@ -344,7 +344,7 @@ class Pager {
   int readahead_pages_;
   bool readahead_aggressive_;
   std::uint64_t access_clock_ = 0;
-  int faults_making_room_ = 0;    // acquires in make_room for their own read
+  std::uint64_t fault_room_ = 0;  // room faults in make_room need for their reads
   std::uint64_t held_bytes_ = 0;  // charged to pages in the table
   // Page reads submitted and not yet completed, and since when there has
   // been at least one (VmStat::read_busy_ns).

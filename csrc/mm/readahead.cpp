@@ -63,9 +63,6 @@ void Pager::readahead() {
   std::vector<bool> visited(table_.size(), false);
   std::size_t from = cursor_;
   for (std::size_t k = 0; k < schedule_.horizon(from) && seen < readahead_pages_; ++k) {
-    if (faults_making_room_ > 0) {
-      break;  // a fault's page comes first; it wakes readahead after
-    }
     if (cursor_ != from) {
       // An acquire moved the cursor while a read was being started (the
       // lock is dropped to submit): look again from there. Going on at
@@ -144,11 +141,10 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     if (e.state != PageState::on_disk) {
       return true;  // someone else started it while the lock was dropped
     }
-    if (faults_making_room_ > 0) {
-      return false;  // a fault began while the lock was dropped: it goes first
-    }
+    // Room a fault is making for its own read is taken (fault.cpp).
     std::uint64_t charged = charged_now();
-    if (charged + need <= budget_ || free_frame_for_locked(lock, e.spec.frame_bytes, need) >= 0) {
+    if (charged + fault_room_ + need <= budget_ ||
+        (fault_room_ == 0 && free_frame_for_locked(lock, e.spec.frame_bytes, need) >= 0)) {
       // Started (it may have landed, or failed, before this returns), or
       // started by another thread meanwhile: go on to the next page. Not
       // started and still on disk: the frame did not fit.
