@@ -629,6 +629,125 @@ def _pick(preds: List[Prediction], min_bytes: float, max_extra: Optional[float])
     return min(near, key=lambda p: p.bytes_read)
 
 
+@dataclass
+class Offline:
+    """The fastest schedule offline_best found (per step, after warmup)."""
+
+    step_s: float
+    bytes_read: float
+    pages_read: float
+
+
+def offline_best(
+    accesses: Sequence[Access],
+    footprints: Sequence[int],
+    budget: int,
+    rate: float,
+    read_bytes: Optional[Sequence[int]] = None,
+    steps: int = 6,
+    warmup: int = 2,
+    width: int = 1000,
+) -> Offline:
+    """How fast a step can run under the budget with ANY choice of what to
+    evict and when, not only the pager's rules: a beam search over eviction
+    schedules, the yardstick the bound max(MIN's bytes / R, compute) is not.
+    That bound assumes the disk never idles, but the budget can force it to:
+    while every page it holds is still needed before the next read's, no
+    read can start.
+
+    The model, the simulator's without its policy: accesses run in order,
+    each after its `gap_s`, once its pages are in, for `hold_s`, holding
+    them; the disk reads one page at a time at `rate` bytes/s (sharing it
+    among several reads ends none sooner), a page only when an access needs
+    it and it is not in memory (in the order of need), starting as soon as
+    the disk is free and the room is (a victim's room frees when its last
+    access so far ends). The choice, at every read: which pages to evict
+    for it, any not held by the access reading it, even one needed again
+    soon (then read again). Every policy of this simulator is such a
+    schedule; the search keeps, per set of pages in memory, the schedules
+    no other is ahead of in every respect, the `width` earliest. Steady
+    state: the mean over the steps after `warmup` of the fastest run of
+    `steps` steps. With one page per access a wider beam finds nothing
+    faster (tests/python/test_simulate.py); with several (blocks in parts)
+    victims combine and the beam cuts: the best found, not the best."""
+    rb = list(read_bytes) if read_bytes is not None else list(footprints)
+    seq = [a for _ in range(steps) for a in accesses]
+    per_step = len(accesses)
+    # A schedule so far: (time its last access ended, time the disk is free,
+    # bytes charged, ((page, end of its last access), ...) sorted, reads,
+    # bytes read, latest read of the current access, (time, reads, bytes)
+    # when the warmup ended).
+    beam = [(0.0, 0.0, 0, (), 0, 0, 0.0, (0.0, 0, 0))]
+    for k, a in enumerate(seq):
+        for j, p in enumerate(a.pages):
+            held = set(a.pages[:j])
+            grown = []
+            for end, disk, charged, res, n, nb, ready, mark in beam:
+                mem = dict(res)
+                if p in mem:
+                    grown.append((end, disk, charged, res, n, nb, ready, mark))
+                    continue
+                if footprints[p] > budget:
+                    raise SimBudgetError(f"page {p} needs {footprints[p]} bytes, the page budget is {budget}")
+                # Every set of victims that makes room (each set once: taken
+                # in the order of `res`; a set that fits is not grown).
+                free = [v for v, _ in res if v not in held]
+                ways = [(mem, charged, 0.0, 0)]
+                while ways:
+                    m, ch, freed_at, i = ways.pop()
+                    if ch + footprints[p] <= budget:
+                        done = max(disk, freed_at) + rb[p] / rate
+                        m2 = dict(m)
+                        m2[p] = 0.0
+                        grown.append(
+                            (
+                                end,
+                                done,
+                                ch + footprints[p],
+                                tuple(sorted(m2.items())),
+                                n + 1,
+                                nb + rb[p],
+                                max(ready, done),
+                                mark,
+                            )
+                        )
+                        continue
+                    for c in range(i, len(free)):
+                        v = free[c]
+                        m2 = dict(m)
+                        del m2[v]
+                        ways.append((m2, ch - footprints[v], max(freed_at, m[v]), c + 1))
+            beam = grown
+            if not beam:
+                raise SimBudgetError(f"page {p}: the pages held with it do not leave room for it")
+        fin = []
+        for end, disk, charged, res, n, nb, ready, mark in beam:
+            t = max(end + a.gap_s, ready) + a.hold_s
+            mem = dict(res)
+            for q in a.pages:
+                mem[q] = t
+            if k + 1 == warmup * per_step:
+                mark = (t, n, nb)
+            fin.append((t, disk, charged, tuple(sorted(mem.items())), n, nb, 0.0, mark))
+        fin.sort(key=lambda s: (s[0], s[1]))
+        kept: Dict[tuple, list] = {}
+        beam = []
+        for s in fin:
+            key = tuple(q for q, _ in s[3])
+            lasts = [t for _, t in s[3]]
+            group = kept.setdefault(key, [])
+            if any(e <= s[0] and d <= s[1] and all(x <= y for x, y in zip(ls, lasts)) for e, d, ls in group):
+                continue
+            group.append((s[0], s[1], lasts))
+            beam.append(s)
+            if len(beam) >= width:
+                break
+    best = min(beam, key=lambda s: s[0])
+    t0, n0, b0 = best[7]
+    m = max(1, steps - warmup)
+    return Offline((best[0] - t0) / m, (best[5] - b0) / m, (best[4] - n0) / m)
+
+
 def min_bytes_per_step(accesses, footprints, budget, read_bytes=None, steps: int = 6, warmup: int = 2) -> float:
     """MIN's bytes per step (min_pages_per_step), pages priced at their mean
     read size."""

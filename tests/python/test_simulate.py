@@ -504,3 +504,49 @@ def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
     # The disk's busy time: some where the first step read the pages, never more than a step.
     assert res.steps[0]["bytes_read"] > 0 and res.steps[0]["read_busy_s"] > 0
     assert all(0 <= st["read_busy_s"] <= st["step_s"] + 0.05 for st in res.steps)
+
+
+# ------------------------------------------------- the offline optimum ----
+def test_offline_best_with_room_for_one_page_reads_then_computes():
+    """Room for one page, three pages in turn: no read can start before the
+    page in memory is done with, so every step is 3 x (read + compute)."""
+    acc = [sim.Access((i,), 0.03) for i in range(3)]
+    opt = sim.offline_best(acc, [100] * 3, 100, rate=1000.0)
+    assert opt.step_s == pytest.approx(3 * (0.1 + 0.03))
+    assert opt.pages_read == pytest.approx(3) and opt.bytes_read == pytest.approx(300)
+
+
+def test_offline_best_is_the_fastest_any_policy_gets_and_a_wider_search_finds_no_faster():
+    """On random steps of whole blocks: no policy of the simulator (every
+    readahead depth, both modes, MIN and LRU, any bytes) runs a step faster
+    than the offline search, and a beam 4x wider finds nothing faster."""
+    rng = random.Random(5)
+    done = 0
+    while done < 12:
+        acc, fp, budget, disk = random_instance(rng)
+        if len(fp) > 10:
+            continue  # time: the search grows with the pages in memory
+        done += 1
+        opt = sim.offline_best(acc, fp, budget, disk.rate, width=100)
+        wide = sim.offline_best(acc, fp, budget, disk.rate, width=400)
+        assert wide.step_s == pytest.approx(opt.step_s, rel=1e-9)
+        best = sim.best_settings(acc, fp, budget, disk, max_extra=None, policies=("optimal", "lru"))
+        assert opt.step_s <= best.step_s * (1 + 1e-9)
+
+
+def test_the_bound_can_be_out_of_reach_where_the_policy_is_not():
+    """The read shape at half its blocks (8 blocks of 207 MB at 2 GB/s, 17 ms
+    forward, 50 ms backward with recompute over the last 4): MIN keeps 3
+    blocks and streams 5 through the fourth slot, and while that slot and
+    the 3 are all wanted (the last block's forward and backward) no read
+    can start. No eviction schedule gets within 1.2x of max(MIN's bytes /
+    R, compute); the pager's own choice gets within 5% of the best one."""
+    fwd, bwd = [0.017] * 8, [0.050] * 8
+    acc = step_accesses(8, 4, fwd, bwd, gap=0.005)
+    page = 207_000_000 + 4096
+    fp, budget, disk = [page] * 8, 4 * page + 4096, sim.Disk(2e9)
+    bound = max(sim.min_bytes_per_step(acc, fp, budget) / disk.rate, sum(a.hold_s + a.gap_s for a in acc))
+    opt = sim.offline_best(acc, fp, budget, disk.rate)
+    assert opt.step_s > 1.2 * bound
+    chosen = sim.choose_readahead(acc, fp, budget, disk)
+    assert opt.step_s <= chosen.step_s <= 1.05 * opt.step_s
