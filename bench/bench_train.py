@@ -75,6 +75,15 @@ block's time less the pager's waits, from on_block), its budget and
 readahead settings, and the rate the row's reads got (bytes over
 read_busy_s).
 
+The bound assumes the disk never idles, which the budget can forbid: while
+every page in memory is still wanted before the next read's, no read can
+start. So a row whose blocks are whole pages also shows the fastest step
+any eviction schedule gets under its budget at R ("opt s":
+simulate.offline_best, a search over what to evict for every read and
+when, with the row's per-block compute), and "vs opt", the step against it.
+The search runs the simulator's model of disk and compute, so a row under
+1.00x there shows where that model is off, as "pred s" does.
+
 Shapes (--shapes; `big` is opt-in):
   compute   long sequences, narrow layers: compute per block dwarfs its read
   read      short sequences, wide layers: reading a block takes longer than using it
@@ -197,6 +206,8 @@ DEFAULT_SHAPES = "compute,read,q4,long"
 FRACTIONS = [1.0, 0.5, 0.25, 0.1]
 # A step measured faster than this fraction of its bound is a measurement bug.
 BOUND_SLACK = 0.98
+# Beam width of the offline optimum ("opt s"); 4x wider found the same.
+OPT_WIDTH = 500
 IO_THREADS = 4  # the trainer's default --io-threads
 NEAR_SAMPLE_S = 0.5  # seconds per setting of the disk samples around each pager row
 
@@ -498,7 +509,14 @@ def pager_figures(r, R, read_rate, compute):
         simulate.Settings(round(depth * pages_per_block(r)), mode, policy),
         read_bytes=[page_read] * len(fp),
     )
+    # The fastest step any eviction schedule gets under the budget at R
+    # (simulate.offline_best), where each access holds one page: the search
+    # is exhaustive enough there (a wider beam finds nothing faster).
+    opt = None
+    if all(len(a.pages) == 1 for a in acc):
+        opt = simulate.offline_best(acc, fp, r["page_budget"], R, read_bytes=[page_read] * len(fp), width=OPT_WIDTH)
     return dict(
+        optimum=opt,
         min_pages=min_pages,
         min_bytes=min_pages * page_read,
         bound=max(min_pages * page_read / R, compute),
@@ -807,6 +825,9 @@ def bench_one(name, shape, a, out_dir):
                 bound_s=fig["bound"],
                 vs_bound=row["step_s"] / fig["bound"],
                 vs_best_bound=row["step_s"] / best_bound,
+                optimum_s=fig["optimum"].step_s if fig["optimum"] else None,
+                vs_optimum=row["step_s"] / fig["optimum"].step_s if fig["optimum"] else None,
+                optimum_vs_bound=fig["optimum"].step_s / fig["bound"] if fig["optimum"] else None,
                 predicted_s=fig["predicted"].step_s,
                 predicted_io_wait_s=fig["predicted"].io_wait_s,
                 vs_predicted=row["step_s"] / fig["predicted"].step_s,
@@ -919,6 +940,7 @@ def twice_summary(rows) -> dict:
     (one run's ratio moves by up to ~30% here with the disk's periods)."""
     by_name = {r["config"]: r for r in rows}
     keys = [("step_s", "step", "s"), ("vs_resident", "vs res", "x"), ("vs_bound", "vs bnd", "x")]
+    keys += [("vs_optimum", "vs opt", "x"), ("optimum_vs_bound", "opt/bnd", "x")]
     keys += [("vs_naive", "vs naive", "x")]
     out, lines = {}, []
     for name, first in by_name.items():
@@ -995,6 +1017,8 @@ COLUMNS = [
     ("bound s", 7, ".2f", "bound_s", 1),
     ("vs bnd", 6, ".2f", "vs_bound", 1),
     ("vs best", 7, ".2f", "vs_best_bound", 1),
+    ("opt s", 6, ".2f", "optimum_s", 1),
+    ("vs opt", 6, ".2f", "vs_optimum", 1),
     ("vs naive", 8, ".2f", "vs_naive", 1),
     ("readahead", 14, "<", "settings", None),
     ("plan GB", 7, ".2f", "predicted_peak", 1e-9),
