@@ -374,6 +374,7 @@ def train(
                 "tokens": sum(toks),
                 "step_s": elapsed,
                 "io_wait_s": after["io_wait_s"] - before["io_wait_s"],
+                "reclaim_wait_s": after["reclaim_wait_s"] - before["reclaim_wait_s"],
                 # the time the disk had a page read in flight (bytes_read /
                 # read_busy_s: the rate the reads got)
                 "read_busy_s": after["read_busy_s"] - before["read_busy_s"],
