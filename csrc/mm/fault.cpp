@@ -4,11 +4,11 @@
 // acquire(p):
 //   resident  -> hit (or readahead hit), refs++
 //   in_flight -> wait for the read already under way (time counted as I/O wait)
+//   on_disk   -> fault: make room, allocate a frame, submit the read as urgent,
+//                then wait like in_flight
 // Until it takes its ref the acquire holds the page as a waiter, so that the
 // read it waits for is not evicted the moment it lands; and while it makes
 // room for its own read, that room is reserved from readahead.
-//   on_disk   -> fault: make room, allocate a frame, submit the read as urgent,
-//                then wait like in_flight
 // A read failing puts the page back on disk with its error; the acquire that
 // waited for it throws PageReadError, a later acquire tries again. A read
 // whose bytes fail their checksum twice is failed as corrupt: the acquire

@@ -78,8 +78,9 @@ struct PageEntry {
   std::uint64_t charged = 0;  // bytes this page holds against the budget
   int refs = 0;               // acquire() calls not yet released
   int leases = 0;             // of those, acquire_lease() calls (released by release_lease())
-  // acquire() calls waiting for this page's read. They hold it like refs:
-  // once it lands it is theirs, though it holds no ref until they wake.
+  // acquire() calls that have moved the schedule's cursor past this page
+  // and not yet taken their ref (waiting for its read, or making room for
+  // it). They hold it like refs: once it lands it is theirs.
   int waiters = 0;
   bool pinned = false;
   bool mlocked = false;

@@ -243,7 +243,11 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page, bo
     bool any_in_flight = false;
     bool any_leased = false;  // in use by arrays that release it when freed
     for (PageId id = 0; id < table_.size(); ++id) {
-      if (id != for_page && table_.at(id).state == PageState::in_flight) {
+      const PageEntry& o = table_.at(id);
+      // A page that has landed for an acquire still waking (waiters) is as
+      // good as in flight: in a moment it is that acquire's.
+      if (id != for_page &&
+          (o.state == PageState::in_flight || (o.state == PageState::resident && o.waiters > 0))) {
         any_in_flight = true;
       }
       any_leased = any_leased || (id != for_page && table_.at(id).leases > 0);
@@ -253,7 +257,8 @@ void Pager::make_room_locked(Lock& lock, std::uint64_t need, PageId for_page, bo
       waited_from = TraceRecorder::ns(t0);
     }
     if (any_in_flight) {
-      // Reads in flight become evictable pages when they land.
+      // Reads in flight become evictable pages when they land (or, landed
+      // for a waiting acquire, pages it holds and releases).
       cv_.wait_for(lock, kInFlightPoll);
       stat_.reclaim_wait_ns += elapsed_ns(t0);
       continue;
