@@ -91,10 +91,10 @@ struct PageEntry {
   std::string error;     // message of the last failed read
   bool corrupt = false;  // the last failed read read wrong bytes (twice)
 
+  // An acquire has it or is getting it (refs or waiters).
+  bool held() const { return refs > 0 || waiters > 0; }
   // In memory and wanted by no one: the pager may evict it.
-  bool evictable() const {
-    return state == PageState::resident && refs == 0 && waiters == 0 && !pinned;
-  }
+  bool evictable() const { return state == PageState::resident && !held() && !pinned; }
 };
 
 class PageTable {

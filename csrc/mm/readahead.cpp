@@ -170,8 +170,7 @@ bool Pager::readahead_one_locked(Lock& lock, PageId id) {
     if (policy_ == Policy::optimal) {
       for (PageId other = 0; other < table_.size(); ++other) {
         const PageEntry& o = table_.at(other);
-        bool busy = o.state == PageState::in_flight ||
-            (o.state == PageState::resident && (o.refs > 0 || o.waiters > 0));
+        bool busy = o.state == PageState::in_flight || (o.state == PageState::resident && o.held());
         if (busy && !o.pinned && other != id) {
           cands.push_back(Candidate{other, o.spec.priority, o.last_access, 0});
         }

@@ -168,7 +168,7 @@ void Pager::discard(PageId id) {
   // A read in flight may have started before the rewrite: wait for it, then
   // drop what it read.
   cv_.wait(lock, [&] { return e.state != PageState::in_flight; });
-  if (e.refs > 0 || e.waiters > 0 || e.pinned) {
+  if (e.held() || e.pinned) {
     throw std::logic_error(
         "[Pager::discard] page '" + e.spec.name + "' is held or pinned; release it first");
   }

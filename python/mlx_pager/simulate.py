@@ -15,8 +15,9 @@ during the head, the optimizer update and the next embedding, count):
                readahead (readahead.cpp: the next `readahead` distinct pages
                of the schedule; in conservative mode MIN's victim, else an
                idle page MIN evicts before its next use anyway, else a wait;
-               the next-best victim in aggressive mode; nothing while a
-               fault makes room, and never the page an acquire waits for).
+               the next-best victim in aggressive mode; never into the room
+               a fault is making, nor the page an acquire waits for: here
+               readahead runs only on the training thread, between them).
                Pinned pages are outside the page budget and not modelled.
   the disk     page_io.cpp: a read is split into chunks; `threads` I/O
                threads take chunks in order, demand reads before readahead,
