@@ -28,6 +28,7 @@ from .budget import BudgetError, format_size
 from .callbacks import PagerCallback
 from .governor import MemoryPressure, peak_rss, process_rss, release_heap, reset_peak_rss
 from .session import Session
+from .update import OptimizerStep
 
 
 def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=None, on_block=None) -> float:
@@ -295,6 +296,7 @@ def train(
         reports.restore(resumed["reports"])
         cb.on_message(f"Resuming after iteration {it} from {Path(args.adapter_path) / resume.STATE_FILE}")
     done = it  # the last iteration whose optimizer step is finished
+    apply_update = OptimizerStep(model, optimizer)
     since_report = pager.stats()
 
     def on_block(phase, i):
@@ -359,8 +361,7 @@ def train(
                 tree = average_gradients(tree_unflatten([(n, grads[n]) for n in names]))
                 if k > 1:
                     tree = tree_map(lambda g, k=k: g / k, tree)
-                optimizer.update(model, tree)
-                mx.eval(model.trainable_parameters(), optimizer.state)
+                apply_update(tree)  # optimizer.update, compiled (update.py)
                 cb.on_update_end()
             _clear_cache(args.clear_cache_threshold)
             elapsed = time.perf_counter() - tic
