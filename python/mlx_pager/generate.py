@@ -26,6 +26,12 @@ that mlx-lm's generation functions call like the model itself
            softcapping are the model's own; the logits stay lazy, as mlx-lm
            expects (prefill chunks' logits are never computed).
 
+Where the page budget holds every block at once (nothing to page), a call
+binds them all, builds the whole forward graph and returns it unevaluated,
+as the model itself would: mlx-lm's generate_step then evaluates it with
+``mx.async_eval`` while it builds the next token's graph, which a forward
+evaluated block by block cannot overlap (bench_generate, 100%).
+
 The pager's schedule is the cyclic order of the blocks, repeating: every
 prompt chunk and every decode step sweeps them in order, so Belady's MIN
 keeps about k-1 of the k pages the budget holds resident from one token to
@@ -142,12 +148,17 @@ def min_reads_per_sweep(footprints: List[int], page_budget: int, sweeps: Optiona
 # ------------------------------------------------------------- the model --
 @dataclass
 class CallStats:
-    """One call of the paged model: a prompt chunk (tokens > 1) or a decode step."""
+    """One call of the paged model: a prompt chunk (tokens > 1) or a decode
+    step. `seconds`: from this call to the next one (its graph, its
+    evaluation, whatever the caller does with the logits: what a token costs
+    the caller, however much of the graph is evaluated inside the call);
+    None until the next call."""
 
     tokens: int
-    seconds: float
+    started: float
     bytes_read: int
     pages_read: int
+    seconds: Optional[float] = None
 
 
 @dataclass
@@ -282,28 +293,52 @@ class PagedModel:
             parts.append(self._forward(inputs[:, t0:t1], cache, kw))
         return mx.concatenate(parts, axis=1)
 
+    def holds_all(self) -> bool:
+        """Whether the page budget, as the governor leaves it now, holds
+        every block's pages at once."""
+        W = self.weights
+        return sum(W.block_footprint(i) for i in range(W.num_blocks)) <= step.page_room(W)
+
     def _forward(self, inputs, cache, kwargs) -> mx.array:
         model, L = self.model, len(self.blocks)
         pager = self.weights.pager
         before = pager.stats()
         tic = time.perf_counter()
+        calls_so_far = self.stats.calls
+        if calls_so_far and calls_so_far[-1].seconds is None:
+            calls_so_far[-1].seconds = tic - calls_so_far[-1].started
         # Each block's call arguments (mask, its own KV cache); the logits of
         # this recording pass are never evaluated.
         h, calls = step.record_calls(model, inputs, per_block_state=True, cache=cache, **kwargs)
-        for i in range(L):
-            args, kw = calls[i]
-            with self.weights.bound(i):
-                h = step.run_block(self.blocks[i], h, (args, kw))
-                mx.eval(h, _cache_arrays(args, kw))
-            del args, kw
-            calls[i] = None
+        if self.holds_all():
+            # Nothing to page: the model's own lazy graph, its arrays the
+            # pages' (they stay valid once released: a page evicted while a
+            # graph views it is freed when the graph lets go).
+            with self.weights.bound(*range(L)):
+                for i in range(L):
+                    h = step.run_block(self.blocks[i], h, calls[i])
+                if inputs.shape[1] > 1:
+                    # A prompt chunk: evaluated here, as block by block (mlx-lm
+                    # evaluates its cache next anyway; the chunk's time is its own).
+                    mx.eval(h, [_cache_arrays(*c) for c in calls])
+                calls = None
+                logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
             self.gov.check()
-        logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
+        else:
+            for i in range(L):
+                args, kw = calls[i]
+                with self.weights.bound(i):
+                    h = step.run_block(self.blocks[i], h, (args, kw))
+                    mx.eval(h, _cache_arrays(args, kw))
+                del args, kw
+                calls[i] = None
+                self.gov.check()
+            logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
         after = pager.stats()
-        self.stats.calls.append(
+        calls_so_far.append(
             CallStats(
                 inputs.shape[1],
-                time.perf_counter() - tic,
+                tic,
                 after["bytes_read"] - before["bytes_read"],
                 after["pages_read"] - before["pages_read"],
             )
@@ -319,8 +354,9 @@ class PagedModel:
     def summary(self, read_rate: Optional[float] = None, skip: int = 1) -> dict:
         """Prefill and decode figures from the calls so far (decode: one-token
         calls after the first `skip`, which warm the pages up)."""
-        prefill = [c for c in self.stats.calls if c.tokens > 1]
-        decode = [c for c in self.stats.calls if c.tokens == 1][skip:]
+        timed = [c for c in self.stats.calls if c.seconds is not None]  # all but the last
+        prefill = [c for c in timed if c.tokens > 1]
+        decode = [c for c in timed if c.tokens == 1][skip:]
         out = {
             "paged_bytes": self.weights.paged_bytes,
             "page_budget": self.plan.page_budget,

@@ -52,6 +52,9 @@ def test_greedy_tokens_equal_mlx_lm(trained, tmp_path, arch):
     paged2, _ = load_paged(
         str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"), page_budget=2 * (max(pages) + 4096)
     )
+    # The default budget holds every block: one lazy graph per token, as the
+    # model's own; two blocks out of six: block by block.
+    assert paged.holds_all() and not paged2.holds_all()
     for pm in (paged, paged2):
         mx.random.seed(0)
         got = [r.token for r in mlx_lm.stream_generate(pm, ptok, PROMPT, max_tokens=24)]
