@@ -18,6 +18,7 @@ several GB needs about one shard of memory.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -128,10 +129,13 @@ _TOKENIZERS: Dict[tuple, Tuple[Path, int]] = {}  # (vocab_size, corpus) -> (dir,
 def tokenizer_files(path: Path, vocab_size: int, corpus_dir: Path = SAMPLE_DATA) -> int:
     """Writes the tokenizer train_tokenizer would write into `path`, training
     it once per process and copying the files afterwards (training takes
-    about a second; test sessions make many models). Returns its size."""
+    about a second; test sessions make many models). Returns its size. The
+    trained copy lives in a temporary directory removed when the process
+    exits."""
     key = (vocab_size, str(Path(corpus_dir).resolve()))
     if key not in _TOKENIZERS or not _TOKENIZERS[key][0].exists():
         d = Path(tempfile.mkdtemp(prefix="mlx-pager-tokenizer-"))
+        atexit.register(shutil.rmtree, d, True)
         _TOKENIZERS[key] = (d, train_tokenizer(d, vocab_size, corpus_dir))
     d, n = _TOKENIZERS[key]
     for f in d.iterdir():

@@ -1,6 +1,9 @@
 """Generated test models load through mlx-lm's real loading path."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -38,3 +41,18 @@ def test_sharded_and_cached(tmp_path):
     assert modelgen.generate_model(tmp_path / "m", spec) == path  # reused, not rewritten
     assert shards[0].stat().st_mtime_ns == mtime
     mlx_lm.load(str(path))
+
+
+def test_the_trained_tokenizer_cache_goes_with_the_process(tmp_path):
+    """tokenizer_files trains once per process into a temporary directory;
+    the directory does not outlive the process (test runs make thousands)."""
+    code = (
+        "import sys; from pathlib import Path; from mlx_pager import modelgen; "
+        "modelgen.tokenizer_files(Path(sys.argv[1]), 300); "
+        "print(next(iter(modelgen._TOKENIZERS.values()))[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    cache = out.stdout.strip().splitlines()[-1]
+    assert "mlx-pager-tokenizer-" in cache
+    assert (tmp_path / "tokenizer.json").exists()
+    assert not Path(cache).exists()
