@@ -42,7 +42,8 @@ The memory plan (budget.py's MemoryPlan) holds the process baseline, the
 resident page, the adapters, the KV cache (sized from the model config for
 the tokens to be held, grown, with the page budget shrunk, when a call needs
 more) and one prompt chunk's working set; the pages get what is left. The
-governor (governor.py) checks the process's RSS after every block.
+governor (governor.py) checks the process's RSS after every block (after
+every call where nothing is paged).
 """
 
 from __future__ import annotations
