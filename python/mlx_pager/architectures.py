@@ -719,8 +719,9 @@ class Result:
 
 
 def _one_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0] if s else ''}"[:300]
+    from .step import one_line
+
+    return one_line(e)[:300]
 
 
 # The matrix as last recorded on this repository's machine (CPU backend):

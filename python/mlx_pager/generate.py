@@ -322,8 +322,7 @@ class PagedModel:
                     # A prompt chunk: evaluated here, as block by block (mlx-lm
                     # evaluates its cache next anyway; the chunk's time is its own).
                     mx.eval(h, [_cache_arrays(*c) for c in calls])
-                calls = None
-                logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
+            calls = None
             self.gov.check()
         else:
             for i in range(L):
@@ -334,7 +333,7 @@ class PagedModel:
                 del args, kw
                 calls[i] = None
                 self.gov.check()
-            logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
+        logits = step.head_call(model, inputs, h, cache=cache, **kwargs)
         after = pager.stats()
         calls_so_far.append(
             CallStats(

@@ -160,8 +160,7 @@ class Tail:
             self.model.update(tree_unflatten(before), strict=False)
             # A trace that fails fails before running anything; running the
             # tail uncompiled raises any error of its own again.
-            text = str(e).strip()
-            self.uncompiled = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+            self.uncompiled = step.one_line(e)
             self._fns.clear()
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
         finally:

@@ -44,6 +44,13 @@ from .layers import BlockList, NotPageable, architecture
 from .stream import Stream, forward_pages
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line (why
+    a trace or a model failed, in a message or a record)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _hidden_param(layer) -> Optional[str]:
     """The name of the parameter a block takes its hidden state in (the first
     one of its __call__), for blocks the model calls by keyword (gptj:
@@ -269,7 +276,7 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     except Exception as e:
         raise NotPageable(
             f"{arch}: its forward pass fails when its blocks only pass the hidden state on "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); "
+            f"({one_line(e)}); "
             "its blocks exchange more than the hidden state"
         ) from e
     if not order:
@@ -447,7 +454,7 @@ class Blocks:
             # A trace that fails (an eval or .item() inside the block, an
             # argument compile cannot take) fails before running anything;
             # running the block uncompiled raises any error of its own again.
-            self.uncompiled[i] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self.uncompiled[i] = one_line(e)
             self._fwd.pop(i, None)
             self._bwd.pop(i, None)
             return None

@@ -32,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .step import one_line
+
 
 class OptimizerStep:
     """``OptimizerStep(model, optimizer)(grads)``: applies `grads` (a tree
@@ -74,7 +76,7 @@ class OptimizerStep:
         except Exception as e:
             # Nothing was applied: the model's parameters are untouched, and
             # the optimizer's state goes back to what it was before the trace.
-            self.uncompiled = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            self.uncompiled = one_line(e)
             opt.state = tree_unflatten(before)
             opt.init(grads)
             self._fn = None
