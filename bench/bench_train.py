@@ -841,6 +841,13 @@ def bench_one(name, shape, a, out_dir):
                 predicted_s=fig["predicted"].step_s,
                 predicted_io_wait_s=fig["predicted"].io_wait_s,
                 vs_predicted=row["step_s"] / fig["predicted"].step_s,
+                # What the row's figures were simulated from, so that a row
+                # can be simulated again offline (other settings, a policy
+                # change): its step as [pages, hold_s, gap_s] per access,
+                # the pages' footprints and the rate its reads got.
+                accesses=[[list(a.pages), a.hold_s, a.gap_s] for a in fig["accesses"]],
+                page_footprints=list(r["page_footprints"]),
+                read_Bps=busy_read_rate(r),
                 report=r.get("report"),
                 governor=r.get("governor"),
             )
