@@ -171,7 +171,9 @@ class Pager {
   void pin(PageId id);
   void unpin(PageId id);
   // Drops every resident page nobody holds (pinned pages stay), and every
-  // kept free frame.
+  // kept free frame. Readahead reads in flight are waited for and dropped
+  // too; readahead may start new ones afterwards (set_readahead(0) first
+  // for a cold start that stays cold).
   void evict_all();
   // Frees the kept free frames (PagerConfig::keep_free_frames); returns
   // their bytes.

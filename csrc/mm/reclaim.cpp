@@ -114,6 +114,18 @@ void Pager::evict_locked(const Lock& lock, PageId id) {
 
 void Pager::evict_all() {
   std::unique_lock<std::mutex> lock(mu_);
+  // A readahead in flight lands resident after this returns unless it is
+  // waited for: the caller would find a page in memory that it dropped.
+  // (A fault's read is held by its waiter and stays.)
+  cv_.wait(lock, [&] {
+    for (PageId id = 0; id < table_.size(); ++id) {
+      const PageEntry& e = table_.at(id);
+      if (e.state == PageState::in_flight && !e.held()) {
+        return false;
+      }
+    }
+    return true;
+  });
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
     if (e.evictable()) {

@@ -192,7 +192,13 @@ void init_pager(nb::module_& m) {
             tp.pager().pin(id);
           },
           "page"_a)
-      .def("evict_all", [](TensorPager& tp) { tp.pager().evict_all(); })
+      .def(
+          "evict_all",
+          [](TensorPager& tp) {
+            nb::gil_scoped_release unlocked;  // waits for readahead in flight
+            tp.pager().evict_all();
+          },
+          "Drops every page in memory nobody holds or pinned, and the reads ahead in flight.")
       .def(
           "drop_free_frames",
           [](TensorPager& tp) {

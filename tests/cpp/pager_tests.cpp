@@ -46,6 +46,20 @@ struct Fixture {
   }
 };
 
+// Heap frames, with a hook run first on the allocating thread (which holds
+// no pager lock, and whose page is in flight): to stop a read mid-way.
+struct GatedAllocator : FrameAllocator {
+  HeapFrameAllocator heap;
+  std::function<void(std::uint64_t)> hook;
+  std::uint64_t footprint(std::uint64_t b) const override { return heap.footprint(b); }
+  Frame allocate(std::uint64_t b, std::function<void()> on_free) override {
+    if (hook) {
+      hook(b);
+    }
+    return heap.allocate(b, std::move(on_free));
+  }
+};
+
 PagerConfig config(std::uint64_t pages_budget, Policy policy, int readahead) {
   PagerConfig c;
   c.budget_bytes = pages_budget * kPage;
@@ -584,19 +598,8 @@ TEST_CASE("pager: readahead that races an acquire does not skip the pages the cu
   constexpr int kPages = 6;
   auto bytes_of = [](int i) { return kPage + static_cast<std::uint64_t>(i) * 4096; };
   auto path = check::pattern_file("pager_ra_race.bin", kPages * 2 * kPage, 53);
-  struct Gated : FrameAllocator {
-    HeapFrameAllocator heap;
-    std::function<void(std::uint64_t)> hook;
-    std::uint64_t footprint(std::uint64_t b) const override { return heap.footprint(b); }
-    Frame allocate(std::uint64_t b, std::function<void()> on_free) override {
-      if (hook) {
-        hook(b);
-      }
-      return heap.allocate(b, std::move(on_free));
-    }
-  };
   for (int round = 0; round < 20; ++round) {
-    auto alloc = std::make_shared<Gated>();
+    auto alloc = std::make_shared<GatedAllocator>();
     PagerConfig c = config(4 * kPages, Policy::optimal, 3);
     Pager p(c, alloc);
     FileId f = p.add_file(path);
@@ -639,6 +642,35 @@ TEST_CASE("pager: readahead that races an acquire does not skip the pages the cu
     CHECK_EQ(skipped.load(), 0);
     alloc->hook = nullptr;
   }
+}
+
+TEST_CASE("pager: evict_all waits for a readahead in flight and drops it too") {
+  // A cold start (benchmarks, tests counting a step's reads) must find
+  // nothing in memory: a readahead read in flight when evict_all ran used to
+  // land resident after it returned.
+  Fixture fx(4, 57, "pager_evict_flight.bin");
+  auto alloc = std::make_shared<GatedAllocator>();
+  Pager p(config(4, Policy::optimal, 1), alloc);
+  fx.register_pages(p);
+  std::atomic<bool> started{false};
+  alloc->hook = [&](std::uint64_t) {
+    started = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // page 0 in flight
+  };
+  std::thread ahead([&] { p.set_schedule({0, 1, 2, 3}); });  // reads page 0 ahead
+  while (!started.load()) {
+    std::this_thread::yield();
+  }
+  CHECK(p.state(0) == PageState::in_flight);
+  p.set_readahead(0);
+  p.evict_all();
+  ahead.join();
+  alloc->hook = nullptr;
+  for (PageId id = 0; id < 4; ++id) {
+    CHECK(p.state(id) == PageState::on_disk);
+  }
+  CHECK_EQ(p.stats().pages_read, 1u);
+  CHECK_EQ(p.stats().resident_bytes_now, 0u);
 }
 
 TEST_CASE("pager: a file shorter than its pages is an error, not a crash") {

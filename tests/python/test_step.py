@@ -54,6 +54,19 @@ def reference_sums(path, num_layers, bs):
     return losses, total
 
 
+def cold_start(pager):
+    """Nothing in memory but the pinned pages, and the stats then: readahead
+    is paused while every page is dropped (evict_all waits for the reads in
+    flight), so none lands before the snapshot; it is back on for the step,
+    whose reads (ahead or on demand) all count after it."""
+    ahead = pager.set_readahead(0)
+    pager.evict_all()
+    pager.reset_peak()
+    before = pager.stats()
+    pager.set_readahead(ahead)
+    return before
+
+
 def assert_bitwise(ref_grads, grads):
     bad = A.bitwise_mismatches(dict(tree_flatten(ref_grads)), grads)
     assert not bad, bad
@@ -93,8 +106,7 @@ def test_gradient_accumulation_reads_each_block_once(models, tmp_path):
         flat = dict(tree_flatten(g))
         total = flat if total is None else {k: total[k] + flat[k] for k in flat}
     model, w = paged(path, 2, "in_place", tmp_path)
-    w.pager.evict_all()
-    before = w.pager.stats()
+    before = cold_start(w.pager)
     losses, _, grads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*b) for b in bs])
     assert [l.item() for l in losses] == ref_losses
     for k in total:
@@ -363,9 +375,7 @@ def test_a_streamed_tail_needs_a_page_not_all_of_them(models, tmp_path, arch, bi
     budget = w.resident_bytes + IO_ALIGN + pages * page
     w.pager.set_budget(budget)
     w.pager.set_schedule(S.step_pages(w, first, first))
-    w.pager.evict_all()
-    w.pager.reset_peak()
-    before = w.pager.stats()
+    before = cold_start(w.pager)
     losses, _, grads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*b)], tail_start=first)
     after = w.pager.stats()
     assert losses[0].item() == loss.item()
@@ -412,9 +422,7 @@ def test_a_streamed_tail_is_compiled_and_bitwise_step_after_step(
     for b in (b0, b0, b1, b0):
         (loss, _), g = vg(ref, *b)
         mx.eval(loss, g)
-        w.pager.evict_all()
-        w.pager.reset_peak()
-        before = w.pager.stats()
+        before = cold_start(w.pager)
         losses, _, grads = S.paged_value_and_grad(
             model, w, [S.MicroBatch.from_batch(*b)], tail_start=first, blocks=blocks
         )
