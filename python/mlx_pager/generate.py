@@ -59,7 +59,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import step
-from .budget import BudgetError, MemoryPlan, format_size, parse_size
+from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .checks import check_blocks_unpatched
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
@@ -215,6 +215,8 @@ class PagedModel:
         self.requested_chunk = max(1, int(prefill_step_size))
         self.prefill_chunk = self.requested_chunk
         self.kv_tokens = 0
+        self.chunk_bytes = 0  # the prompt chunk's working set (reserve)
+        self.cache_limit: Optional[int] = None  # MLX's, as _use_cache set it
         self.gov: Optional[Governor] = None
         # Benchmarks and tests: exactly this many bytes of pages besides the
         # rest of the plan (the memory budget follows from it).
@@ -251,7 +253,8 @@ class PagedModel:
             and chunk_working_set(self.config, chunk, kv_tokens) > allowance
         ):
             chunk //= 2
-        p.activations = kv + chunk_working_set(self.config, chunk, kv_tokens)
+        self.chunk_bytes = chunk_working_set(self.config, chunk, kv_tokens)
+        p.activations = kv + self.chunk_bytes
         if self.fixed_page_budget is not None:
             p.budget = p.fixed + self.fixed_page_budget
         if p.page_budget < p.max_page:
@@ -300,6 +303,22 @@ class PagedModel:
         W = self.weights
         return sum(W.block_footprint(i) for i in range(W.num_blocks)) <= step.page_room(W)
 
+    def _use_cache(self, holds_all: bool) -> None:
+        """MLX's cache of freed buffers: where nothing is paged, room for the
+        prompt chunk's working set, which the plan holds for it anyway. On the
+        CPU backend every op's output is a malloc, and the trainer's
+        M_MMAP_THRESHOLD (governor.return_freed_memory_to_os) makes each one
+        not cached a fresh mapping: a prompt chunk ran at ~0.87x mlx-lm's speed
+        with the default 32 MB (the governor's 48 MB), at mlx-lm's with this.
+        Where pages stream, the governor's small cache: freed page frames
+        then go back to the OS, not into MLX's cache beside the budget."""
+        limit = CACHE_SLACK + (self.chunk_bytes if holds_all else 0)
+        if limit != self.cache_limit:
+            mx.set_cache_limit(int(limit))
+            if self.cache_limit is not None and limit < self.cache_limit:
+                mx.clear_cache()
+            self.cache_limit = limit
+
     def _forward(self, inputs, cache, kwargs) -> mx.array:
         model, L = self.model, len(self.blocks)
         pager = self.weights.pager
@@ -311,7 +330,9 @@ class PagedModel:
         # Each block's call arguments (mask, its own KV cache); the logits of
         # this recording pass are never evaluated.
         h, calls = step.record_calls(model, inputs, per_block_state=True, cache=cache, **kwargs)
-        if self.holds_all():
+        holds_all = self.holds_all()
+        self._use_cache(holds_all)
+        if holds_all:
             # Nothing to page: the model's own lazy graph, its arrays the
             # pages' (they stay valid once released: a page evicted while a
             # graph views it is freed when the graph lets go).
@@ -319,9 +340,13 @@ class PagedModel:
                 for i in range(L):
                     h = step.run_block(self.blocks[i], h, calls[i])
                 if inputs.shape[1] > 1:
-                    # A prompt chunk: evaluated here, as block by block (mlx-lm
-                    # evaluates its cache next anyway; the chunk's time is its own).
-                    mx.eval(h, [_cache_arrays(*c) for c in calls])
+                    # A prompt chunk: its cache evaluated here, as block by
+                    # block (mlx-lm evaluates it next anyway; the chunk's time
+                    # is its own). Not its output: a prefill never uses the
+                    # last block's, which mlx-lm then never computes (the last
+                    # block's attention output and MLP, 1/L of the chunk);
+                    # a caller that wants the logits evaluates them.
+                    mx.eval([_cache_arrays(*c) for c in calls])
             calls = None
             self.gov.check()
         else:
