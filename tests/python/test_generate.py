@@ -123,6 +123,38 @@ def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     assert mx.array_equal(logits[:, -1], ref_logits[:, -1]).item()
 
 
+def test_a_prompt_with_nothing_paged_gives_the_models_logits_and_may_cache_its_buffers(trained, tmp_path):
+    """Where every block fits, a prompt call evaluates its KV cache, not its
+    output (a prefill never uses it): a caller that evaluates the logits gets
+    the model's own at every position. MLX may then cache the chunk's
+    buffers (the plan holds them); where pages stream, only the governor's
+    slack (freed page frames go back to the OS)."""
+    from mlx_pager.budget import CACHE_SLACK
+
+    path, _ = trained["llama"]
+    model, tok = mlx_lm.load(str(path))
+    prompt = mx.array(tok.encode(PROMPT))[None]
+    cache_ref = mlx_lm.models.cache.make_prompt_cache(model)
+    ref = model(prompt, cache=cache_ref)
+    mx.eval(ref, [c.state for c in cache_ref])
+    paged, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"))
+    assert paged.holds_all()
+    cache = mlx_lm.models.cache.make_prompt_cache(paged)
+    logits = paged(prompt, cache=cache)
+    assert all(c.offset == prompt.shape[1] for c in cache)
+    assert mx.array_equal(logits, ref).item()
+    for c, r in zip(cache, cache_ref):
+        assert mx.array_equal(c.state[0], r.state[0]).item() and mx.array_equal(c.state[1], r.state[1]).item()
+    assert paged.chunk_bytes > 0 and paged.cache_limit == CACHE_SLACK + paged.chunk_bytes
+    assert mx.set_cache_limit(CACHE_SLACK) == paged.cache_limit  # MLX's, as set
+    page = paged_page(path, tmp_path)
+    streamed, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"), page_budget=2 * (page + 4096))
+    assert not streamed.holds_all()
+    streamed(prompt, cache=mlx_lm.models.cache.make_prompt_cache(streamed))
+    assert streamed.cache_limit == CACHE_SLACK
+    assert mx.set_cache_limit(CACHE_SLACK) == CACHE_SLACK
+
+
 def paged_page(path, tmp_path):
     paged, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"))
     return max(paged.weights.page_bytes(i) for i in range(paged.weights.num_blocks))
