@@ -44,10 +44,10 @@ length, each configuration in its own process (so peak RSS is its own):
                    minutes long, so one run's ratio moves by up to ~30%.
                    Under the table, each ratio of both runs and their mean:
                    the figure to read a target from
-  mlx-lm pair i,   resident and nothing paged side by side, PAIRS times, last
-  pager 100% pair i   (the compute shape's rows swing by up to 30% within
-                   minutes): each adjacent pair's ratio and their median
-                   under the table
+  mlx-lm pair i,   resident and nothing paged side by side, PAIRS times, last,
+  pager 100% pair i   each pair in the other order from the one before (the
+                   compute shape's rows swing by up to 30% within minutes):
+                   each adjacent pair's ratio and their median under the table
   bound            max(Belady-minimum bytes / R, compute), compute the lesser
                    of resident mlx-lm's step and the row's own compute (its
                    step less the pager's waits: the pager's step can be
@@ -97,6 +97,9 @@ the NAMEs (e.g. `pager 25%,naive`); rows that need another row's figures
 (`pager @mlx-lm` needs mlx-lm's peak, `whole`/`parts` and `again` their
 `pager` row) are skipped without them.
 
+Last, the issue's targets, each with this run's figure and whether it was met
+(targets.py; also written to targets.json).
+
 Reports tokens/s, step time (median after the first step; for 'pager' rows
 of the steps that ran the trainer's readahead choice) beside the
 predicted one, peak RSS and MLX peak, bytes read per step and their ratio to
@@ -107,6 +110,7 @@ and results.png to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -114,6 +118,7 @@ import time
 import types
 from pathlib import Path
 
+import targets
 from benchlib import dd_rate, read_rate, run_worker
 
 HERE = Path(__file__).resolve().parent
@@ -561,7 +566,12 @@ def main():
         violations += [f"shape '{name}', {v}" for v in summary[name]["bound_violations"]]
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out_dir / "results.png")
-    print(f"\nwrote {out_dir / 'results.json'} and {out_dir / 'results.png'}")
+    goals = targets.check(summary)
+    print("\n== targets (issue 9), from this run")
+    for t in goals:
+        print(t.line())
+    (out_dir / "targets.json").write_text(json.dumps([dataclasses.asdict(t) for t in goals], indent=2))
+    print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'targets.json'} and {out_dir / 'results.png'}")
     if violations:
         print(
             f"\nFAILED: {len(violations)} row(s) ran faster than {BOUND_SLACK}x their lower bound, which is "
@@ -748,9 +758,17 @@ def bench_one(name, shape, a, out_dir):
         # Nothing paged against resident, side by side: PAIRS adjacent pairs
         # (the compute shape's rows swing by up to 30% within minutes here,
         # more than the A B ... B A runs around the shape can cancel).
+        # Each pair in the other order from the one before (A B, B A, ...):
+        # whichever runs first of two may gain or lose from what ran before
+        # it (the disk samples after a pager row, the page cache), and a
+        # fixed order would put that into every pair's ratio.
         for i in range(1, PAIRS + 1):
-            go(f"mlx-lm pair {i}", kind="mlx-lm", grad_checkpoint=False)
-            go(f"pager 100% pair {i}", page_budget=page_budget(1), **pager)
+            pair = [
+                (f"mlx-lm pair {i}", dict(kind="mlx-lm", grad_checkpoint=False)),
+                (f"pager 100% pair {i}", dict(pager, page_budget=page_budget(1))),
+            ]
+            for cfg_name, kw in pair if i % 2 else reversed(pair):
+                go(cfg_name, **kw)
     measure_rate()
     R_pager = statistics.median(own_rates)
     # R is at least what the device demonstrably delivered: besides the best

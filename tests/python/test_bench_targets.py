@@ -1,0 +1,78 @@
+"""bench/targets.py: each target read from a bench_train summary, met, missed
+or not run, never 'met' for rows that did not run."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import targets  # noqa: E402
+
+
+def twice(**figs):
+    return {k: {"runs": list(v), "mean": sum(v) / 2} for k, v in figs.items()}
+
+
+def paged(config, **kw):
+    row = dict(config=config, page_budget=1e8, belady_pages=4, vs_belady=1.0, predicted_s=1.0, vs_predicted=1.0)
+    row.update(kw)
+    return row
+
+
+def summary(read_50=(1.05, 1.07), opt_50=(1.0, 1.0), naive_compute=(1.5, 1.4), pairs=(1.0, 0.99, 0.97)):
+    return {
+        "compute": {
+            "weights_bytes": 1.4e8,
+            "rows": [paged("pager 50%"), paged("pager 50% again"), paged("naive", vs_predicted=1.04)],
+            "twice": {
+                "pager 100%": twice(vs_resident=(1.0, 1.02), vs_naive=(2.0, 2.2)),
+                "pager 50%": twice(vs_naive=naive_compute),
+            },
+            "nothing_paged_pairs": {"ratios": list(pairs), "median": sorted(pairs)[1]},
+        },
+        "read": {
+            "weights_bytes": 1.6e9,
+            "rows": [paged("pager 50%", vs_belady=1.04), paged("pager 0.68GB cap", vs_belady=1.4)],
+            "twice": {
+                "pager 50%": twice(
+                    vs_bound=read_50, optimum_vs_bound=opt_50, vs_optimum=tuple(a / b for a, b in zip(read_50, opt_50))
+                ),
+                "pager 10%": twice(vs_bound=(1.08, 1.1), vs_naive=(1.3, 1.5)),
+            },
+        },
+    }
+
+
+def test_a_run_that_meets_its_targets_says_met_and_shows_the_figures():
+    goals = {t.name: t for t in targets.check(summary())}
+    nothing = goals["compute-bound, nothing paged >= 0.98x resident mlx-lm"]
+    assert nothing.status == "met" and "0.99x (median of 3 adjacent pairs" in nothing.figure
+    assert goals["compute-bound, every budget >= 1.3x naive streaming"].status == "met"
+    assert goals["read-bound, 50% <= 1.1x the bound"].status == "met"
+    assert goals["read-bound, 10% >= 1.2x naive streaming"].status == "met"
+    # the capped row (fixed readahead) is not one of the policy's own rows
+    bytes_ = next(t for t in goals.values() if t.name.startswith("bytes read"))
+    assert bytes_.status == "met" and "1.04x" in bytes_.figure
+    pred = next(t for t in goals.values() if t.name.startswith("every paged row"))
+    assert pred.status == "met" and "within 4.0% ('naive'" in pred.figure
+
+
+def test_a_missed_target_is_missed_and_says_when_no_schedule_reaches_it():
+    goals = {t.name: t for t in targets.check(summary(read_50=(1.2, 1.3), opt_50=(1.22, 1.3), pairs=(0.9, 0.91, 1.1)))}
+    assert goals["compute-bound, nothing paged >= 0.98x resident mlx-lm"].status == "MISSED"
+    read = goals["read-bound, 50% <= 1.1x the bound"]
+    assert read.status == "MISSED" and "out of reach for any eviction schedule" in read.figure
+    goals = {t.name: t for t in targets.check(summary(read_50=(1.2, 1.3), opt_50=(1.0, 1.05)))}
+    read = goals["read-bound, 50% <= 1.1x the bound"]
+    assert read.status == "MISSED" and "out of reach" not in read.figure
+    goals = {t.name: t for t in targets.check(summary(naive_compute=(1.2, 1.3)))}
+    assert goals["compute-bound, every budget >= 1.3x naive streaming"].status == "MISSED"
+
+
+def test_targets_whose_rows_did_not_run_say_so():
+    goals = {t.name: t for t in targets.check(summary())}
+    # 25% was not run twice in this summary; q4 and big not at all
+    assert goals["read-bound, 25% <= 1.1x the bound"].status == "not run"
+    assert goals["a 4-bit (QLoRA) shape"].status == "not run"
+    assert goals["a >= 8 GB shape, weights >= 6x the budget"].status == "not run"
+    assert all(t.status == "not run" for t in targets.check({}))
