@@ -481,6 +481,18 @@ def settings_label(settings) -> str:
     return f"ra {depth:g} {mode[:4]}" + ("" if policy == "optimal" else f" {policy}")
 
 
+def min_pages_over_steps(accesses, footprints, budgets) -> float:
+    """MIN's pages a step, at each step's own page budget (the plan may move
+    it between steps), averaged as a row's reads are (a mean over the same
+    steps: `med`), so a step at a smaller budget counts on both sides. (A
+    median here against the reads' mean put `pager @mlx-lm` at 1.38x MIN, its
+    budget 120/138/129/127 MB over four steps: reads 4/3/2/2, MIN 4/2/2/2.)"""
+    from mlx_pager import simulate
+
+    at = {b: simulate.min_pages_per_step(accesses, footprints, b, steps=8, warmup=2) for b in set(budgets)}
+    return statistics.mean(at[b] for b in budgets)
+
+
 def pager_figures(r, R, read_rate, compute):
     """A pager row's MIN, bound and predicted step time (simulate). The bound
     divides MIN's bytes by R (the device's best) and takes as compute the
@@ -506,11 +518,8 @@ def pager_figures(r, R, read_rate, compute):
     # Pages differ a little in size (in-place pages read through small gaps),
     # so MIN is counted in pages and priced at the mean page read.
     page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else statistics.mean(fp)
-    # MIN at each step's own page budget (the plan may move it between
-    # steps), the median over the steps the step time is taken from.
     budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in steady_steps(r["steps"])]
-    at = {b: simulate.min_pages_per_step(acc, fp, b, steps=8, warmup=2) for b in set(budgets)}
-    min_pages = statistics.median(at[b] for b in budgets)
+    min_pages = min_pages_over_steps(acc, fp, budgets)
     if not acc:
         raise RuntimeError(f"{r['report']}: no complete training step was recorded")
     depth, mode, policy = r["settings"]  # depth in blocks (--readahead)
