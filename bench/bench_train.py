@@ -481,16 +481,41 @@ def settings_label(settings) -> str:
     return f"ra {depth:g} {mode[:4]}" + ("" if policy == "optimal" else f" {policy}")
 
 
-def min_pages_over_steps(accesses, footprints, budgets) -> float:
-    """MIN's pages a step, at each step's own page budget (the plan may move
-    it between steps), averaged as a row's reads are (a mean over the same
-    steps: `med`), so a step at a smaller budget counts on both sides. (A
-    median here against the reads' mean put `pager @mlx-lm` at 1.38x MIN, its
-    budget 120/138/129/127 MB over four steps: reads 4/3/2/2, MIN 4/2/2/2.)"""
+def min_over_steps(accesses, footprints, budgets, price: float = 1.0):
+    """MIN's pages and bytes a step, at each step's own page budget (the plan
+    may move it between steps), averaged as a row's reads are (a mean over
+    the same steps: `med`), so a step at a smaller budget counts on both
+    sides. (A median here against the reads' mean put `pager @mlx-lm` at
+    1.38x MIN, its budget 120/138/129/127 MB over four steps: reads
+    4/3/2/2, MIN 4/2/2/2.) Bytes: each page MIN reads priced at its
+    footprint times `price` (what a read transfers per byte of footprint),
+    the bytes of the pages it reads, not of as many mean pages: a 4-bit
+    model's blocks differ by up to 40%."""
     from mlx_pager import simulate
 
-    at = {b: simulate.min_pages_per_step(accesses, footprints, b, steps=8, warmup=2) for b in set(budgets)}
-    return statistics.mean(at[b] for b in budgets)
+    priced = [f * price for f in footprints]
+    pages = {b: simulate.min_pages_per_step(accesses, footprints, b, steps=8, warmup=2) for b in set(budgets)}
+    nbytes = {b: simulate.min_bytes_per_step(accesses, footprints, b, priced, steps=8, warmup=2) for b in set(budgets)}
+    return statistics.mean(pages[b] for b in budgets), statistics.mean(nbytes[b] for b in budgets)
+
+
+def read_price(r, accesses, settings) -> float:
+    """What the row's reads transferred per byte of footprint: its mean read
+    over the mean footprint of the pages the same schedule reads in the
+    simulator (reads run a little under footprints; the pages read are not
+    a fair sample of all pages, so the mean footprint of all would price
+    MIN's pages 1% low in the q4 shape); 1 where it read nothing."""
+    from mlx_pager import simulate
+
+    steps = steady_steps(r["steps"])
+    pages, nbytes = sum(s["pages_read"] for s in steps), sum(s["bytes_read"] for s in steps)
+    if not pages:
+        return 1.0
+    fp = r["page_footprints"]
+    replay = simulate.simulate(accesses, fp, r["page_budget"], simulate.Disk(1e9, IO_THREADS), settings)
+    if not replay.pages_read:
+        return 1.0
+    return (nbytes / pages) / (replay.bytes_read / replay.pages_read)
 
 
 def pager_figures(r, R, read_rate, compute):
@@ -515,20 +540,19 @@ def pager_figures(r, R, read_rate, compute):
     )
     compute = min(c for c in (compute, own) if c is not None) if (compute, own) != (None, None) else 0.0
     total_pages = sum(s["pages_read"] for s in r["steps"])
-    # Pages differ a little in size (in-place pages read through small gaps),
-    # so MIN is counted in pages and priced at the mean page read.
     page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else statistics.mean(fp)
-    budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in steady_steps(r["steps"])]
-    min_pages = min_pages_over_steps(acc, fp, budgets)
     if not acc:
         raise RuntimeError(f"{r['report']}: no complete training step was recorded")
     depth, mode, policy = r["settings"]  # depth in blocks (--readahead)
+    settings = simulate.Settings(round(depth * pages_per_block(r)), mode, policy)
+    budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in steady_steps(r["steps"])]
+    min_pages, min_bytes = min_over_steps(acc, fp, budgets, read_price(r, acc, settings))
     pred = simulate.simulate(
         acc,
         fp,
         r["page_budget"],
         simulate.Disk(read_rate, IO_THREADS),
-        simulate.Settings(round(depth * pages_per_block(r)), mode, policy),
+        settings,
         read_bytes=[page_read] * len(fp),
     )
     # The fastest step any eviction schedule gets under the budget at R
@@ -542,8 +566,8 @@ def pager_figures(r, R, read_rate, compute):
     return dict(
         optimum=opt,
         min_pages=min_pages,
-        min_bytes=min_pages * page_read,
-        bound=max(min_pages * page_read / R, compute),
+        min_bytes=min_bytes,
+        bound=max(min_bytes / R, compute),
         bound_compute=compute,
         own_compute=own,
         predicted=pred,
@@ -845,6 +869,7 @@ def bench_one(name, shape, a, out_dir):
             fig = pager_figures(r, R_row, busy_read_rate(r) or R_pager, compute)
             best_bound = max(fig["min_bytes"] / R, fig["bound_compute"])
             pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]
+            bytes_step, min_bytes = med(cfg_name, "bytes_read"), fig["min_bytes"]
             row.update(
                 settings=settings_label(r["settings"]),
                 budget=r["budget"],
@@ -852,9 +877,11 @@ def bench_one(name, shape, a, out_dir):
                 k_pages=round(r["page_budget"] / r["page_footprint"], 2),
                 pages_per_step=pages_step,
                 belady_pages=min_pages,
-                bytes_per_step=med(cfg_name, "bytes_read"),
-                belady_bytes=fig["min_bytes"],
-                vs_belady=pages_step / min_pages if min_pages else (1.0 if pages_step == 0 else float("inf")),
+                bytes_per_step=bytes_step,
+                belady_bytes=min_bytes,
+                # In bytes, as the issue's target and the trainer's cap on
+                # extra reads (simulate.DEFAULT_EXTRA_READS) count them.
+                vs_belady=bytes_step / min_bytes if min_bytes else (1.0 if bytes_step == 0 else float("inf")),
                 io_wait_s=med(cfg_name, "io_wait_s"),
                 compute_s=fig["own_compute"],
                 disk_Bps=R_row,

@@ -285,6 +285,17 @@ def test_min_pages_per_step_of_a_plain_cycle():
     assert sim.min_pages_per_step(acc, [1] * n, k, steps=30) == pytest.approx(n * (n - k) / (n - 1), abs=0.5)
 
 
+def test_min_bytes_price_the_pages_min_reads_not_the_mean_page():
+    # Page 2 is used every other access and stays; MIN reads pages 0 and 1
+    # each step. With page 2 small, the mean page (70) would price MIN's two
+    # reads at 140 bytes, and a policy reading 10% more than that would still
+    # read less than MIN does.
+    acc = [sim.Access((p,)) for p in (0, 2, 1, 2)]
+    assert sim.min_pages_per_step(acc, [1] * 3, 2, steps=10) == 2
+    assert sim.min_bytes_per_step(acc, [1] * 3, 2, read_bytes=[100, 100, 10], steps=10) == 200
+    assert sim.min_bytes_per_step(acc, [1] * 3, 2, read_bytes=[10, 10, 100], steps=10) == 20
+
+
 # ---------------------------------------------------------- the disk ----
 def test_a_lone_read_takes_its_bytes_over_the_rate():
     # One page, no compute, budget for it alone: each step reads it again?
