@@ -144,8 +144,14 @@ def min_pages_per_step(accesses: Sequence[Access], footprints, budget, steps: in
     steps a simulation of `steps` steps measures (after `warmup`), with two
     more steps of future (on a cyclic order MIN's reads can alternate from
     step to step, so one step's difference is not its mean)."""
+    return _min_per_step(accesses, footprints, budget, steps, warmup)
+
+
+def _min_per_step(accesses, footprints, budget, steps: int, warmup: int, weights=None) -> float:
+    """min_reads_by_step's mean over the measured steps (after `warmup`, with
+    two more steps of future), reads counted 1 each or by `weights`."""
     order = [p for a in accesses for p in a.pages]
-    per = min_reads_by_step(order, footprints, budget, steps + 2)[min(warmup, steps - 1) : steps]
+    per = min_reads_by_step(order, footprints, budget, steps + 2, weights)[min(warmup, steps - 1) : steps]
     return sum(per) / len(per)
 
 
@@ -758,9 +764,7 @@ def min_bytes_per_step(accesses, footprints, budget, read_bytes=None, steps: int
     (DEFAULT_EXTRA_READS) would let a schedule read more than MIN does and
     still count as 'within 10%'. A 4-bit model's pages differ by up to 40%."""
     rb = list(read_bytes) if read_bytes is not None else list(footprints)
-    order = [p for a in accesses for p in a.pages]
-    per = min_reads_by_step(order, footprints, budget, steps + 2, weights=rb)[min(warmup, steps - 1) : steps]
-    return sum(per) / len(per)
+    return _min_per_step(accesses, footprints, budget, steps, warmup, weights=rb)
 
 
 def best_settings(
