@@ -45,9 +45,13 @@ length, each configuration in its own process (so peak RSS is its own):
                    Under the table, each ratio of both runs and their mean:
                    the figure to read a target from
   mlx-lm pair i,   resident and nothing paged side by side, PAIRS times, last,
-  pager 100% pair i   each pair in the other order from the one before (the
-                   compute shape's rows swing by up to 30% within minutes):
-                   each adjacent pair's ratio and their median under the table
+  pager 100% pair i   each pair's two processes in lockstep for PAIR_STEPS
+                   steps (benchlib.run_lockstep: one step each in turn,
+                   never at once; the pair before's second first): under the
+                   table, per step, the pager's tokens/s over mlx-lm's on the
+                   same batch right before or after it, each pair's median
+                   and the median of all steps (a step here moves by up to
+                   +-20% from the next, runs by up to 1.4x within minutes)
   bound            max(Belady-minimum bytes / R, compute), compute the lesser
                    of resident mlx-lm's step and the row's own compute (its
                    step less the pager's waits: the pager's step can be
@@ -119,10 +123,15 @@ import types
 from pathlib import Path
 
 import targets
-from benchlib import dd_rate, read_rate, run_worker
+from benchlib import Lockstep, dd_rate, read_rate, run_lockstep, run_worker
 
 HERE = Path(__file__).resolve().parent
-PAIRS = 3  # adjacent (resident, pager 100%) pairs per shape
+PAIRS = 3  # (resident, pager 100%) pairs in lockstep per shape
+# Steps each pair's rows run (a 'pager' row's one more): one step's ratio to
+# the other row's step beside it moves by up to +-20% here (measured: 0.79 to
+# 1.12x over 27 steps), so many more than a row's: 3 x 20 steps put the
+# median within ~1% (the bootstrap interval printed beside it).
+PAIR_STEPS = 20
 
 SHAPES = {
     # Long sequences, narrow layers: compute per block dwarfs its read.
@@ -284,10 +293,20 @@ def worker_mlx_lm(cfg):
     model, tok = mlx_lm.load(cfg["model"])
     train, valid, _ = load_dataset(args, tok)
     reports = []
+    lock = Lockstep.from_cfg(cfg)
 
     class CB(TrainingCallback):
+        # In lockstep (run_lockstep): the token is taken after the first
+        # validation (mlx-lm's train loop has no hook before it) and passed
+        # on after each step's report, outside the step's timing.
+        def on_val_loss_report(self, info):
+            if lock:
+                lock.acquire()
+
         def on_train_loss_report(self, info):
             reports.append(dict(info, t=time.perf_counter()))
+            if lock:
+                lock.turn()
 
     train_model(args, model, train, valid, CB())
     steps = [
@@ -297,11 +316,13 @@ def worker_mlx_lm(cfg):
     return {"steps": steps, "peak_rss": vm_hwm(), "mlx_peak": max(r["peak_memory"] for r in reports) * 1e9}
 
 
-def step_marks_callback():
+def step_marks_callback(lock: Lockstep = None):
     """A PagerCallback that keeps, per optimizer step, when it began and
     ended and when each block's pages were released, each with the pager's
     cumulative waits (io_wait_s + reclaim_wait_s): what simulate needs for
-    each block's compute."""
+    each block's compute. With `lock` (run_lockstep), it takes the token
+    before the first step and passes it on after each, outside the steps'
+    timing, as worker_mlx_lm does."""
     from mlx_pager.callbacks import PagerCallback
 
     def waited(stats):
@@ -313,6 +334,8 @@ def step_marks_callback():
             self.pager = None
 
         def on_step_begin(self, iteration, stats):
+            if lock:
+                lock.acquire()
             self.steps.append({"start": [time.perf_counter(), waited(stats)], "marks": []})
 
         def on_block(self, weights, phase, block):
@@ -324,6 +347,8 @@ def step_marks_callback():
             if self.steps and self.pager is not None:
                 self.steps[-1]["end"] = [time.perf_counter(), waited(self.pager.stats())]
                 self.steps[-1]["held"] = bool(record.get("tail_held"))
+            if lock:
+                lock.turn()
 
     return StepMarks()
 
@@ -350,7 +375,7 @@ def worker_pager(cfg):
         page_parts=cfg.get("page_parts", "auto"),
         grad_checkpoint=cfg.get("grad_checkpoint", False),
     )
-    marks = step_marks_callback()
+    marks = step_marks_callback(Lockstep.from_cfg(cfg))
     res = run(types.SimpleNamespace(**args), marks)
     steps = [
         {
@@ -413,12 +438,16 @@ def busy_read_rate(r) -> float:
     return sum(st["bytes_read"] for st in r["steps"]) / busy if busy > 0 else 0.0
 
 
-def steady_steps(steps):
-    """The steps a row's figures are taken from: those after the first that
+def steady_indices(steps) -> list:
+    """Which steps a row's figures are taken from: those after the first that
     ran the readahead the last step ran with (without --readahead the
     trainer runs its first two steps at depth 2, then its own choice)."""
     last = steps[-1].get("readahead") if steps else None
-    return [s for s in steps[1:] if s.get("readahead") == last] or steps[-1:]
+    return [i for i in range(1, len(steps)) if steps[i].get("readahead") == last] or list(range(len(steps)))[-1:]
+
+
+def steady_steps(steps):
+    return [steps[i] for i in steady_indices(steps)]
 
 
 def estimated_footprint(model: Path) -> int:
@@ -709,6 +738,29 @@ def bench_one(name, shape, a, out_dir):
             last_sample = None  # the next pager row samples the disk right before it
         print(f"   {cfg_name:<13} ran in {time.perf_counter() - t:5.1f}s", flush=True)
 
+    def go_lockstep(*pair):
+        """Both configurations of `pair` at once, their steps alternating
+        (the first's first), PAIR_STEPS each (a 'pager' row's one more, and
+        the other row as many)."""
+        cfgs = []
+        for cfg_name, kw in pair:
+            cfgs.append(
+                dict(base, name=cfg_name, adapter_path=str(out_dir / f"ad-{name}-{cfg_name.replace(' ', '_')}"), **kw)
+            )
+        if 2 * 1.5 * W > psutil.virtual_memory().available:
+            for cfg_name, kw in pair:  # both at once do not fit: one after the other
+                go(cfg_name, **kw)
+            return
+        steps = max(PAIR_STEPS + (c["kind"] == "pager" and c.get("readahead") is None) for c in cfgs)
+        t = time.perf_counter()
+        both = run_lockstep(__file__, *(dict(c, steps=steps) for c in cfgs))
+        for c, r in zip(cfgs, both):
+            results[c["name"]] = dict(r, adapter_path=c["adapter_path"], lockstep=True)
+        print(
+            f"   {' + '.join(c['name'] for c in cfgs):<27} ran in lockstep in {time.perf_counter() - t:5.1f}s",
+            flush=True,
+        )
+
     def pct(f):
         return f"{int(f * 100)}%"
 
@@ -788,20 +840,19 @@ def bench_one(name, shape, a, out_dir):
         # Resident again, last: the ratios to resident take the mean of the two.
         go("mlx-lm again", kind="mlx-lm", grad_checkpoint=False)
     if "mlx-lm" in results and "pager 100%" in results:
-        # Nothing paged against resident, side by side: PAIRS adjacent pairs
-        # (the compute shape's rows swing by up to 30% within minutes here,
-        # more than the A B ... B A runs around the shape can cancel).
-        # Each pair in the other order from the one before (A B, B A, ...):
-        # whichever runs first of two may gain or lose from what ran before
-        # it (the disk samples after a pager row, the page cache), and a
-        # fixed order would put that into every pair's ratio.
+        # Nothing paged against resident, in lockstep: PAIRS pairs of
+        # processes, each pair's two taking turns step by step
+        # (run_lockstep), so that each step of one runs right after a step
+        # of the other. Runs of the same configuration here move by up to
+        # 1.4x within minutes, more than adjacent runs or the A B ... B A
+        # runs around the shape can cancel. Each pair's first process is the
+        # other one from the pair before's.
         for i in range(1, PAIRS + 1):
             pair = [
                 (f"mlx-lm pair {i}", dict(kind="mlx-lm", grad_checkpoint=False)),
                 (f"pager 100% pair {i}", dict(pager, page_budget=page_budget(1))),
             ]
-            for cfg_name, kw in pair if i % 2 else reversed(pair):
-                go(cfg_name, **kw)
+            go_lockstep(*(pair if i % 2 else reversed(pair)))
     measure_rate()
     R_pager = statistics.median(own_rates)
     # R is at least what the device demonstrably delivered: besides the best
@@ -838,7 +889,12 @@ def bench_one(name, shape, a, out_dir):
             "tokens_per_s": med(cfg_name, "tokens_per_s"),
             "peak_rss": r["peak_rss"],
             "mlx_peak": r["mlx_peak"],
+            # each step's tokens/s, and which steps the row's figures count
+            "steps_tokens_per_s": [st["tokens_per_s"] for st in r["steps"]],
+            "steady": steady_indices(r["steps"]),
         }
+        if r.get("lockstep"):
+            row["lockstep"] = True
         if resident_tps:
             row["vs_resident"] = row["tokens_per_s"] / resident_tps
         if r.get("predicted_peaks"):
@@ -987,22 +1043,53 @@ def bench_one(name, shape, a, out_dir):
 
 
 def pairs_summary(rows) -> dict:
-    """The 'pager 100%' row against resident mlx-lm, each adjacent pair's
-    ratio of tokens/s ('mlx-lm pair i' then 'pager 100% pair i') and their
-    median: the machine's drift between two adjacent runs, not across the
-    shape."""
+    """The 'pager 100%' row against resident mlx-lm, PAIRS pairs run in
+    lockstep ('mlx-lm pair i' and 'pager 100% pair i'): per step both rows
+    count, the pager's tokens/s over mlx-lm's on the same batch, one step
+    right after the other (so the machine's drift, minutes long, falls on
+    both). Each pair's median of them ("ratios") and the median of all of
+    them ("median", the figure): the pair's medians of 4-5 steps each would
+    still move with a few slow steps. Pairs not run in lockstep (an older
+    results.json): their ratio of tokens/s."""
     by_name = {r["config"]: r for r in rows}
-    ratios = []
+    ratios, steps = [], []
     for i in range(1, PAIRS + 1):
         a, b = by_name.get(f"mlx-lm pair {i}"), by_name.get(f"pager 100% pair {i}")
-        if a and b:
-            ratios.append(b["tokens_per_s"] / a["tokens_per_s"])
+        if not (a and b):
+            continue
+        if a.get("lockstep") and b.get("lockstep"):
+            both = sorted(set(a["steady"]) & set(b["steady"]))
+            each = [b["steps_tokens_per_s"][k] / a["steps_tokens_per_s"][k] for k in both]
+            if each:
+                steps += each
+                ratios.append(statistics.median(each))
+                continue
+        ratios.append(b["tokens_per_s"] / a["tokens_per_s"])
+        steps.append(ratios[-1])
     if not ratios:
         return {}
-    m = statistics.median(ratios)
+    m = statistics.median(steps)
+    lo, hi = bootstrap_interval(steps)
     each = " / ".join(f"{x:.2f}x" for x in ratios)
-    line = f"   pager 100% against resident, {len(ratios)} adjacent pairs: {each}, median {m:.2f}x"
-    return {"ratios": ratios, "median": m, "line": line}
+    lockstep = all(by_name.get(f"pager 100% pair {i}", {}).get("lockstep") for i in range(1, len(ratios) + 1))
+    how = f"{len(ratios)} pairs in lockstep, {len(steps)} steps" if lockstep else f"{len(ratios)} adjacent pairs"
+    line = (
+        f"   pager 100% against resident, {how}: pairs {each}, median of the steps {m:.3f}x "
+        f"(90% bootstrap interval {lo:.3f}-{hi:.3f}x)"
+    )
+    return {"ratios": ratios, "steps": steps, "median": m, "interval": [lo, hi], "lockstep": lockstep, "line": line}
+
+
+def bootstrap_interval(xs, level: float = 0.9, draws: int = 2000) -> tuple:
+    """The central `level` of the medians of `draws` resamples of `xs` (with
+    replacement, a fixed seed): how far the median of this many steps moves
+    with the machine's noise."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    cut = int((1 - level) / 2 * draws)
+    return meds[cut], meds[draws - 1 - cut]
 
 
 def twice_summary(rows) -> dict:

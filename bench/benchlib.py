@@ -1,5 +1,7 @@
 """What the benchmarks share: running one configuration in its own process
 (so its peak RSS is its own, with OpenBLAS preloaded as the CLI does), and
+two configurations in lockstep (run_lockstep: each in its own process, taking
+turns step by step, so that the machine's drift falls on both alike), and
 the direct-read rate of files: the device's best at the pager's own I/O
 shape (read_rate, the rate an honest bound divides by), and one `dd` stream
 for comparison (dd_rate)."""
@@ -8,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,12 +24,7 @@ def run_worker(script: str, cfg: dict, cap: int = None) -> dict:
     tests/python/cgroup.py), adding "cgroup_peak" (bytes charged at most)
     and "cap"; where no cgroup can be made, uncapped with "cap_unavailable"
     saying why."""
-    from mlx_pager.blas import openblas_path
-
-    env = dict(os.environ)
-    lib = openblas_path()
-    if lib and lib not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = lib
+    env = _worker_env()
     cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(cfg)]
     extra = {}
     if cap:
@@ -40,13 +39,115 @@ def run_worker(script: str, cfg: dict, cap: int = None) -> dict:
             extra = {"cap_unavailable": why}
     if not extra.get("cap"):
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in out.stdout.splitlines():
+    return _result(cfg.get("name", cfg), out.stdout, out.stderr, out.returncode, extra)
+
+
+def _worker_env() -> dict:
+    from mlx_pager.blas import openblas_path
+
+    env = dict(os.environ)
+    lib = openblas_path()
+    if lib and lib not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = lib
+    return env
+
+
+def _result(name, out: str, err: str, code: int, extra: dict) -> dict:
+    for line in out.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]), **extra)
     raise RuntimeError(
-        f"worker {cfg.get('name', cfg)} failed (exit {out.returncode}{', capped' if extra.get('cap') else ''}):\n"
-        f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        f"worker {name} failed (exit {code}{', capped' if extra.get('cap') else ''}):\n{out[-3000:]}\n{err[-3000:]}"
     )
+
+
+class Lockstep:
+    """A worker's side of run_lockstep: one turn token passed between two
+    processes over a socket. Each step (and what the worker does untimed
+    around it: validation, planning) runs while its process holds the token,
+    so the two never run at once and each step runs right after the other's.
+    A partner that has exited (EOF) no longer holds anything back.
+
+    Protocol, one byte per message: the second process, once ready, sends
+    one; the first waits for it (so that neither's step overlaps the other's
+    start-up), then both send the token on release and wait for it on
+    acquire."""
+
+    def __init__(self, fd: int, first: bool):
+        self.sock = socket.socket(fileno=fd)
+        self.first, self.held, self.started, self.alone = first, False, False, False
+
+    @staticmethod
+    def from_cfg(cfg: dict):
+        ls = cfg.get("lockstep")
+        return Lockstep(ls["fd"], ls["first"]) if ls else None
+
+    def acquire(self) -> None:
+        """Waits for the token (a no-op while held or once the partner is gone)."""
+        if self.held or self.alone:
+            return
+        if not self.started:
+            self.started = True
+            if not self.first:
+                self._send()  # ready: the first process may start its step
+        if not self.alone:
+            try:
+                self.alone = self.sock.recv(1) == b""
+            except OSError:
+                self.alone = True
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._send()
+
+    def turn(self) -> None:
+        """After a step: the partner's turn, then this process's again (after
+        the last step, that waits for the partner's last step to end, so that
+        this process's exit does not overlap it)."""
+        self.release()
+        self.acquire()
+
+    def _send(self) -> None:
+        if self.alone:
+            return
+        try:
+            self.sock.sendall(b"t")
+        except OSError:
+            self.alone = True  # the partner is gone
+
+
+def run_lockstep(script: str, first: dict, second: dict) -> list:
+    """Runs `script --worker CFG` for both configurations at once, each in
+    its own process with a Lockstep (cfg["lockstep"]) that its worker takes
+    before each step and passes on after it: their steps alternate, `first`'s
+    first. Returns both results, as run_worker does."""
+    a, b = socket.socketpair()
+    env = _worker_env()
+    procs = []
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            for i, (cfg, sock) in enumerate(((first, a), (second, b))):
+                cfg = dict(cfg, lockstep={"fd": sock.fileno(), "first": i == 0})
+                cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(cfg)]
+                out, err = open(Path(d) / f"{i}.out", "w+"), open(Path(d) / f"{i}.err", "w+")
+                procs.append(
+                    (cfg, subprocess.Popen(cmd, stdout=out, stderr=err, env=env, pass_fds=(sock.fileno(),)), out, err)
+                )
+        finally:
+            # Only the workers hold the socket's ends: one that exits is EOF to the other.
+            a.close()
+            b.close()
+        results = []
+        for cfg, p, out, err in procs:
+            code = p.wait()
+            out.seek(0)
+            err.seek(0)
+            results.append((cfg, out.read(), err.read(), code))
+            out.close()
+            err.close()
+    return [_result(cfg.get("name", cfg), o, e, code, {}) for cfg, o, e, code in results]
 
 
 def dd_rate(files) -> float:

@@ -4,8 +4,8 @@
 
 `summary` is bench_train's results.json: per shape, its rows, the default
 rows' two runs ('twice': each ratio of 'pager X%' and 'pager X% again' and
-their mean, the figure a target is read from) and the adjacent
-nothing-paged pairs. Each target says what it asks, the figure this run
+their mean, the figure a target is read from) and the nothing-paged
+pairs (in lockstep: the median of their steps' ratios). Each target says what it asks, the figure this run
 gave, and whether it was met; a target whose shape or rows did not run
 says so ('not run'), never 'met'. Where a step-time target against the
 bound is missed and the fastest step any eviction schedule gets under that
@@ -61,13 +61,22 @@ def compute_nothing_paged(summary: dict) -> Target:
     shape = summary.get("compute", {})
     pairs = shape.get("nothing_paged_pairs") or {}
     if not pairs:
-        return Target(name, "not run", "no adjacent (mlx-lm, pager 100%) pairs in the compute shape")
+        return Target(name, "not run", "no (mlx-lm, pager 100%) pairs in the compute shape")
     m = pairs["median"]
     each = " / ".join(f"{x:.2f}" for x in pairs["ratios"])
     twice = _mean(shape, "pager 100%", "vs_resident")
     also = f"; 'pager 100%' two runs' mean {twice:.2f}x" if twice is not None else ""
     status = "met" if m >= COMPUTE_VS_RESIDENT else "MISSED"
-    return Target(name, status, f"{m:.2f}x (median of {len(pairs['ratios'])} adjacent pairs, {each}){also}")
+    if pairs.get("lockstep"):
+        how = f"median of {len(pairs['steps'])} steps in {len(pairs['ratios'])} lockstep pairs, the pairs {each}"
+        if pairs.get("interval"):
+            lo, hi = pairs["interval"]
+            how += f"; 90% bootstrap interval {lo:.3f}-{hi:.3f}x"
+    else:
+        how = f"median of {len(pairs['ratios'])} adjacent pairs, {each}"
+    # (three decimals from many steps: the median of a few pairs has two)
+    digits = 3 if pairs.get("lockstep") else 2
+    return Target(name, status, f"{m:.{digits}f}x ({how}){also}")
 
 
 def compute_vs_naive(summary: dict) -> Target:

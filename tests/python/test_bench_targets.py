@@ -76,3 +76,22 @@ def test_targets_whose_rows_did_not_run_say_so():
     assert goals["a 4-bit (QLoRA) shape"].status == "not run"
     assert goals["a >= 8 GB shape, weights >= 6x the budget"].status == "not run"
     assert all(t.status == "not run" for t in targets.check({}))
+
+
+def test_lockstep_pairs_are_read_from_the_median_of_their_steps():
+    s = summary()
+    s["compute"]["nothing_paged_pairs"] = {
+        "ratios": [1.01, 0.96, 0.99],
+        "steps": [1.01, 1.02, 0.96, 0.95, 0.99, 0.97],
+        "median": 0.98,
+        "interval": [0.955, 1.01],
+        "lockstep": True,
+    }
+    nothing = {t.name: t for t in targets.check(s)}["compute-bound, nothing paged >= 0.98x resident mlx-lm"]
+    assert nothing.status == "met"
+    assert "0.980x (median of 6 steps in 3 lockstep pairs, the pairs 1.01 / 0.96 / 0.99" in nothing.figure
+    assert "90% bootstrap interval 0.955-1.010x" in nothing.figure
+    s["compute"]["nothing_paged_pairs"]["median"] = 0.975
+    assert {t.name: t for t in targets.check(s)}["compute-bound, nothing paged >= 0.98x resident mlx-lm"].status == (
+        "MISSED"
+    )

@@ -1,5 +1,6 @@
 """bench/bench_train.py's arithmetic that decides a printed ratio."""
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,3 +50,44 @@ def test_the_read_price_is_per_page_of_the_schedule_the_row_ran():
     )
     price = bench_train.read_price(r, acc, simulate.Settings(1, "conservative", "optimal"))
     assert abs(price - 0.99) < 1e-12
+
+
+def lockstep_row(config, tps, steady):
+    return {
+        "config": config,
+        "tokens_per_s": statistics.median(tps[k] for k in steady),
+        "steps_tokens_per_s": tps,
+        "steady": steady,
+        "lockstep": True,
+    }
+
+
+def test_lockstep_pairs_compare_each_step_with_the_others_same_step():
+    # The machine slows down within each pair (both rows alike): the ratio
+    # per step stays at 1.0, which the rows' medians (taken over different
+    # steps: the pager's first two ran another readahead) would not show.
+    rows = []
+    for i in (1, 2, 3):
+        res = [400.0, 390.0, 380.0, 300.0, 290.0, 280.0]
+        rows.append(lockstep_row(f"mlx-lm pair {i}", res, [1, 2, 3, 4, 5]))
+        rows.append(lockstep_row(f"pager 100% pair {i}", res, [2, 3, 4, 5]))
+    p = bench_train.pairs_summary(rows)
+    assert p["lockstep"] and p["ratios"] == [1.0, 1.0, 1.0] and len(p["steps"]) == 12 and p["median"] == 1.0
+    assert "3 pairs in lockstep, 12 steps" in p["line"]
+    # the rows' own medians over their steady steps: 335 against 300
+    assert rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] != 1.0
+
+
+def test_pairs_run_one_after_the_other_keep_their_rows_ratio():
+    rows = [{"config": "mlx-lm pair 1", "tokens_per_s": 400.0}, {"config": "pager 100% pair 1", "tokens_per_s": 380.0}]
+    p = bench_train.pairs_summary(rows)
+    assert not p["lockstep"] and p["ratios"] == [0.95] and p["median"] == 0.95
+
+
+def test_the_bootstrap_interval_holds_the_median_and_narrows_with_more_steps():
+    few = [0.9, 1.1, 0.95, 1.05, 1.0]
+    lo, hi = bench_train.bootstrap_interval(few)
+    assert lo <= statistics.median(few) <= hi and lo >= min(few) and hi <= max(few)
+    lo_many, hi_many = bench_train.bootstrap_interval(few * 12)
+    assert hi_many - lo_many < hi - lo
+    assert bench_train.bootstrap_interval(few) == (lo, hi)  # a fixed seed: the same run prints the same

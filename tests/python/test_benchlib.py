@@ -1,0 +1,62 @@
+"""bench/benchlib.py: two workers in lockstep take turns, one step each,
+never at once, the first's first; a partner that exits holds nothing back."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from benchlib import run_lockstep  # noqa: E402
+
+WORKER = """
+import json, sys, time
+sys.path.insert(0, {bench!r})
+from benchlib import Lockstep
+cfg = json.loads(sys.argv[2])
+lock = Lockstep.from_cfg(cfg)
+time.sleep(cfg["startup_s"])
+ready = time.monotonic()
+steps = []
+for i in range(cfg["steps"]):
+    lock.acquire()
+    t = time.monotonic()
+    time.sleep(0.05)
+    steps.append([t, time.monotonic()])
+    lock.turn()
+print("RESULT " + json.dumps({{"steps": steps, "ready": ready}}))
+"""
+
+
+def worker_script(tmp_path) -> Path:
+    p = tmp_path / "worker.py"
+    p.write_text(WORKER.format(bench=str(Path(__file__).resolve().parents[2] / "bench")))
+    return p
+
+
+def spans(results):
+    return sorted((t0, t1, who) for who, r in enumerate(results) for t0, t1 in r["steps"])
+
+
+def test_steps_alternate_and_never_overlap(tmp_path):
+    # The second starts later: the first's first step still waits for it.
+    a, b = run_lockstep(
+        str(worker_script(tmp_path)), dict(name="a", steps=4, startup_s=0.0), dict(name="b", steps=4, startup_s=0.5)
+    )
+    s = spans([a, b])
+    assert [who for _, _, who in s] == [0, 1] * 4
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(s, s[1:]))
+    # the first's first step began once the second was ready (the clock is
+    # the machine's, one for both processes)
+    assert a["steps"][0][0] >= b["ready"]
+
+
+def test_a_partner_that_is_done_holds_nothing_back(tmp_path):
+    t = time.perf_counter()
+    a, b = run_lockstep(
+        str(worker_script(tmp_path)), dict(name="a", steps=2, startup_s=0.0), dict(name="b", steps=6, startup_s=0.0)
+    )
+    s = spans([a, b])
+    assert [who for _, _, who in s] == [0, 1, 0, 1, 1, 1, 1, 1]
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(s, s[1:]))
+    assert time.perf_counter() - t < 30
