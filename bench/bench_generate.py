@@ -12,10 +12,16 @@ block once and computes little), each configuration in its own process:
   aggr 50, 25%    the same with aggressive readahead (more reads, more overlap)
   naive           layer streaming through the same code: a one-page budget,
                   no readahead, every block read when used
-  bound           max(MIN bytes per token / R, resident decode time), R the
+  bound           max(MIN bytes per token / R, compute), compute the lesser
+                  of resident decode time and the row's own (its decode less
+                  what it waited for the pager), R the
                   pager's own whole-page direct reads (its threads and chunk
                   size) on the same files, measured before and after the runs
-                  (the best of them, plus dd iflag=direct for reference)
+                  (the best of them, plus dd iflag=direct for reference), or,
+                  where higher, the rate a row's own reads got (its bytes over
+                  the time a read was in flight: the device gave at least
+                  that). A row under 0.98x its bound is a measurement bug,
+                  not a win: the bench says which and exits 1.
 
 Prints decode tokens/s, seconds and bytes read per token, the ratios to MIN's
 bytes, to the bound and to naive streaming, and prefill tokens/s: the first
@@ -27,10 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from benchlib import dd_rate, run_worker
+
+# A row measured faster than this fraction of its bound is a measurement bug.
+BOUND_SLACK = 0.98
 
 PROMPT = (
     "The pager keeps the frozen weights on the SSD and reads each block when the "
@@ -95,6 +105,10 @@ def worker(cfg: dict) -> dict:
     ):
         pass
     s = paged.summary(skip=2)
+    # the whole run's reads and the time a read was in flight (the rate the
+    # device gave them: a floor under R)
+    st = paged.weights.pager.stats()
+    s["bytes_read_total"], s["read_busy_s"] = st["bytes_read"], st["read_busy_s"]
     s["prefill_tps"] = r.prompt_tps
     s["prefill_again_tps"] = prefill_again(paged, tok, prefill_step_size=paged.prefill_chunk)
     s["peak_rss"] = vm_hwm()
@@ -164,12 +178,19 @@ def main():
         print(f"  ran {name} ({time.perf_counter() - t:.0f}s)", flush=True)
     reads.append(run_worker(__file__, dict(base, kind="read", page_budget=max(pages)))["read_rate"])
     dd.append(dd_rate(files))
-    R = max(reads)
+    # R is at least what the device demonstrably delivered: besides the
+    # direct-read measurements, the rate a row's reads got while in flight
+    # (the disk has fast and slow minutes; seen: aggressive 25% at 0.95x a
+    # bound built on the samples alone).
+    busy = {n: r["bytes_read_total"] / r["read_busy_s"] for n, r in results.items() if r.get("read_busy_s")}
+    R_rows, R_row = max(((b, n) for n, b in busy.items()), default=(0.0, None))
+    R = max(max(reads), R_rows)
     compute = results["mlx-lm"]["decode_s_per_token"]
     naive = results["naive"]["decode_s_per_token"]
+    row_rate = f"; a row's own reads got {format_size(R_rows)}/s while in flight ({R_row})" if R_row else ""
     print(
-        f"\nR (pager whole-page direct reads, best of before/after): {format_size(R)}/s "
-        f"[{', '.join(format_size(r) for r in reads)}]; dd iflag=direct: "
+        f"\nR {format_size(R)}/s (pager whole-page direct reads, before/after: "
+        f"{', '.join(format_size(r) for r in reads)}/s{row_rate}); dd iflag=direct: "
         f"{', '.join(format_size(r) for r in dd)}/s; resident decode {compute:.4f} s/token\n"
     )
     hdr = (
@@ -189,7 +210,11 @@ def main():
             )
             continue
         mn = r["min_bytes_per_token"]
-        bound = max(mn / R, compute)
+        # compute: the lesser of resident decode and the row's own (its
+        # decode less its waits: a paged token can be faster than mlx-lm's,
+        # never faster than its own compute)
+        own = (r["decode_s"] - r.get("decode_wait_s", 0.0)) / max(1, r["decode_tokens"])
+        bound = max(mn / R, min(compute, own))
         vs_min = r["decode_bytes_per_token"] / mn if mn else (1.0 if r["decode_bytes_per_token"] == 0 else float("inf"))
         row = dict(name=name, **r, bound_s_per_token=bound, vs_bound=s / bound, vs_naive=naive / s, vs_min=vs_min)
         rows.append(row)
@@ -199,8 +224,16 @@ def main():
             f"{r['prefill_again_tps']:.1f} | {format_size(r['peak_rss'])} |"
         )
     (out / "results.json").write_text(
-        json.dumps(dict(read_rates=reads, dd_rates=dd, results=results, rows=rows), indent=2)
+        json.dumps(dict(read_rates=reads, row_read_rates=busy, R=R, dd_rates=dd, results=results, rows=rows), indent=2)
     )
+    violations = [r for r in rows if r["vs_bound"] < BOUND_SLACK]
+    if violations:
+        print(
+            f"\nFAILED: {len(violations)} row(s) ran faster than {BOUND_SLACK}x their lower bound, which is "
+            "impossible: the bound's R or compute is mis-measured (a measurement bug, not a win): "
+            + ", ".join(f"{r['name']} {r['vs_bound']:.2f}x" for r in violations)
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

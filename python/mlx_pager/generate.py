@@ -160,6 +160,8 @@ class CallStats:
     bytes_read: int
     pages_read: int
     seconds: Optional[float] = None
+    # what the call waited for the pager (reads, room), inside the call
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -366,6 +368,7 @@ class PagedModel:
                 tic,
                 after["bytes_read"] - before["bytes_read"],
                 after["pages_read"] - before["pages_read"],
+                wait_s=_waited(after) - _waited(before),
             )
         )
         return logits
@@ -392,6 +395,7 @@ class PagedModel:
             "decode_tokens": len(decode),
             "decode_s": sum(c.seconds for c in decode),
             "decode_bytes": sum(c.bytes_read for c in decode),
+            "decode_wait_s": sum(c.wait_s for c in decode),
             "min_bytes_per_token": self.min_bytes_per_token(),
             "peak_rss": self.gov.peak_rss if self.gov else process_rss(),
         }
@@ -401,6 +405,11 @@ class PagedModel:
             out["read_rate"] = read_rate
             out["bound_s_per_token"] = out["min_bytes_per_token"] / read_rate
         return out
+
+
+def _waited(stats) -> float:
+    """The pager's cumulative waits: for reads and for room."""
+    return stats["io_wait_s"] + stats["reclaim_wait_s"]
 
 
 def _io_align() -> int:

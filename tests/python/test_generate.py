@@ -65,6 +65,11 @@ def test_greedy_tokens_equal_mlx_lm(trained, tmp_path, arch):
     # page of slack for where in MIN's cycle the tokens start and stop).
     assert s["decode_bytes"] <= s["min_bytes_per_token"] * s["decode_tokens"] + max(pages) + 4096
     assert paged.summary()["decode_bytes"] == 0  # everything fits: nothing read after warm-up
+    # What the tokens waited for the pager: the reads MIN cannot overlap
+    # (its victim is the block in use), within the tokens' own time; none
+    # where nothing is read.
+    assert 0 < s["decode_wait_s"] < s["decode_s"]
+    assert paged.summary()["decode_wait_s"] == 0
 
 
 def test_blocks_in_parts_generate_the_same_tokens(trained, tmp_path):
