@@ -324,9 +324,7 @@ def step_marks_callback(lock: Lockstep = None):
     before the first step and passes it on after each, outside the steps'
     timing, as worker_mlx_lm does."""
     from mlx_pager.callbacks import PagerCallback
-
-    def waited(stats):
-        return stats["io_wait_s"] + stats["reclaim_wait_s"]
+    from mlx_pager.simulate import waited
 
     class StepMarks(PagerCallback):
         def __init__(self):
@@ -1052,7 +1050,7 @@ def pairs_summary(rows) -> dict:
     still move with a few slow steps. Pairs not run in lockstep (an older
     results.json): their ratio of tokens/s."""
     by_name = {r["config"]: r for r in rows}
-    ratios, steps = [], []
+    ratios, steps, lockstep = [], [], True
     for i in range(1, PAIRS + 1):
         a, b = by_name.get(f"mlx-lm pair {i}"), by_name.get(f"pager 100% pair {i}")
         if not (a and b):
@@ -1064,6 +1062,7 @@ def pairs_summary(rows) -> dict:
                 steps += each
                 ratios.append(statistics.median(each))
                 continue
+        lockstep = False
         ratios.append(b["tokens_per_s"] / a["tokens_per_s"])
         steps.append(ratios[-1])
     if not ratios:
@@ -1071,7 +1070,6 @@ def pairs_summary(rows) -> dict:
     m = statistics.median(steps)
     lo, hi = bootstrap_interval(steps)
     each = " / ".join(f"{x:.2f}x" for x in ratios)
-    lockstep = all(by_name.get(f"pager 100% pair {i}", {}).get("lockstep") for i in range(1, len(ratios) + 1))
     how = f"{len(ratios)} pairs in lockstep, {len(steps)} steps" if lockstep else f"{len(ratios)} adjacent pairs"
     line = (
         f"   pager 100% against resident, {how}: pairs {each}, median of the steps {m:.3f}x "

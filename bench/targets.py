@@ -5,12 +5,13 @@
 `summary` is bench_train's results.json: per shape, its rows, the default
 rows' two runs ('twice': each ratio of 'pager X%' and 'pager X% again' and
 their mean, the figure a target is read from) and the nothing-paged
-pairs (in lockstep: the median of their steps' ratios). Each target says what it asks, the figure this run
-gave, and whether it was met; a target whose shape or rows did not run
-says so ('not run'), never 'met'. Where a step-time target against the
-bound is missed and the fastest step any eviction schedule gets under that
-budget (`opt s`, simulate.offline_best) is itself over it, the line says
-so: no policy reaches the target there, at that budget and read rate.
+pairs (in lockstep: the median of their steps' ratios). Each target says
+what it asks, the figure this run gave, and whether it was met; a target
+whose shape or rows did not run says so ('not run'), never 'met'. Where a
+step-time target against the bound is missed and the fastest step any
+eviction schedule gets under that budget (`opt s`, simulate.offline_best)
+is itself over it, the line says so: no policy reaches the target there,
+at that budget and read rate.
 
 The targets are goals, not assertions: a missed one is printed, and the run
 still succeeds (a row under its bound is what fails a run: bench_train).

@@ -64,6 +64,7 @@ from .checks import check_blocks_unpatched
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
 from .session import default_budget, model_path_of, plan_slack
+from .simulate import waited
 from .store import PagedWeights
 
 KV_STEP = 256  # mlx-lm's KVCache grows its buffers in steps of this many tokens
@@ -368,7 +369,7 @@ class PagedModel:
                 tic,
                 after["bytes_read"] - before["bytes_read"],
                 after["pages_read"] - before["pages_read"],
-                wait_s=_waited(after) - _waited(before),
+                wait_s=waited(after) - waited(before),
             )
         )
         return logits
@@ -405,11 +406,6 @@ class PagedModel:
             out["read_rate"] = read_rate
             out["bound_s_per_token"] = out["min_bytes_per_token"] / read_rate
         return out
-
-
-def _waited(stats) -> float:
-    """The pager's cumulative waits: for reads and for room."""
-    return stats["io_wait_s"] + stats["reclaim_wait_s"]
 
 
 def _io_align() -> int:

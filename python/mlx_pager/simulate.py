@@ -829,6 +829,12 @@ def choose_readahead(
 
 
 # ------------------------------------------------ a measured step's compute --
+def waited(stats) -> float:
+    """A pager's cumulative waits (its stats()): for reads and for room. What
+    a measured step less its waits leaves is its compute."""
+    return stats["io_wait_s"] + stats["reclaim_wait_s"]
+
+
 @dataclass
 class BlockMark:
     """One on_block call of a training step: the pages of `block` (or of the
@@ -1018,10 +1024,6 @@ class AutoReadahead:
         self._key = (budget, schedule)
         return True
 
-    @staticmethod
-    def _waited(stats) -> float:
-        return stats["io_wait_s"] + stats["reclaim_wait_s"]
-
     def on_session(self, session):
         self.session = session
 
@@ -1029,14 +1031,14 @@ class AutoReadahead:
         import time
 
         self.steps += 1
-        self._start = (time.perf_counter(), self._waited(stats))
+        self._start = (time.perf_counter(), waited(stats))
         self._marks = []
 
     def on_block(self, weights, phase, block):
         import time
 
         if self._start is not None and phase in ("forward", "tail", "backward"):
-            self._marks.append(BlockMark(phase, block, time.perf_counter(), self._waited(weights.pager.stats())))
+            self._marks.append(BlockMark(phase, block, time.perf_counter(), waited(weights.pager.stats())))
 
     def on_step(self, record):
         import time
@@ -1051,7 +1053,7 @@ class AutoReadahead:
             # does not model): leave the pager as it is.
             return
         pager = s.weights.pager
-        end = (time.perf_counter(), self._waited(pager.stats()))
+        end = (time.perf_counter(), waited(pager.stats()))
         acc = accesses_from_marks(
             self._marks, start, end, s.block_pages, s.tail_back_pages, bool(record.get("tail_held"))
         )
