@@ -345,6 +345,7 @@ def step_marks_callback(lock: Lockstep = None):
             if self.steps and self.pager is not None:
                 self.steps[-1]["end"] = [time.perf_counter(), waited(self.pager.stats())]
                 self.steps[-1]["held"] = bool(record.get("tail_held"))
+                self.steps[-1]["window"] = list(record.get("window", (1, 0)))
             if lock:
                 lock.turn()
 
@@ -390,12 +391,19 @@ def worker_pager(cfg):
             "page_budget_bytes": s["page_budget_bytes"],
             # the readahead the step ran with: (depth in blocks, mode)
             "readahead": [s["readahead_blocks"], s["readahead_mode"]],
+            "tokens": s["tokens"],
+            "window": s["window"],
         }
         for s in res.steps
     ]
     p = res.plan
+    windows, window = by_window(steps, [m for m in marks.steps if "end" in m])
     return {
-        "steps": steps,
+        # per window of the frozen prefix (by_window): one step, or the
+        # mean of the window's steps
+        "steps": windows,
+        "step_records": steps,
+        "window": window,
         "marks": [m for m in marks.steps if "end" in m],
         "peak_rss": vm_hwm(),
         "mlx_peak": max(s["mlx_peak"] for s in steps),
@@ -424,6 +432,40 @@ def worker_pager(cfg):
         "spilled_bytes": [s["spilled_bytes"] for s in res.steps],
         "spill_read_bytes": [s["spill_read_bytes"] for s in res.steps],
     }
+
+
+def by_window(steps, marks):
+    """A pager row's steps as its frozen prefix's windows (prefix.py): where
+    the prefix runs ahead, a window's first step computes it for all the
+    window's steps, so a step alone says little; the row's figures are taken
+    per window instead (its steps' mean: time, reads, waits; tokens/s over
+    the whole window), and its marks are the window's steps' marks, in
+    order. Returns (the windows as steps, the steps in the longest window);
+    only complete windows count. Without windows: the steps as they are."""
+    groups = []
+    for i, st in enumerate(steps):
+        n, at = st.get("window", (1, 0))
+        if at == 0 or not groups:
+            groups.append([])
+        groups[-1].append(i)
+    groups = [g for g in groups if len(g) == steps[g[0]].get("window", (1, 0))[0]]
+    width = max((len(g) for g in groups), default=1)
+    if width == 1:
+        return steps, 1
+    out = []
+    for g in groups:
+        ws = [steps[i] for i in g]
+        mean = {k: statistics.mean(w[k] for w in ws) for k in ws[0] if isinstance(ws[0][k], (int, float))}
+        mean.update(
+            tokens_per_s=sum(w["tokens"] for w in ws) / sum(w["step_s"] for w in ws),
+            mlx_peak=max(w["mlx_peak"] for w in ws),
+            page_budget_bytes=min(w["page_budget_bytes"] for w in ws),
+            readahead=ws[-1]["readahead"],
+            window=[len(g), 0],
+            marks=[marks[i] for i in g] if len(marks) == len(steps) else None,
+        )
+        out.append(mean)
+    return out, width
 
 
 # ------------------------------------------------------------- orchestrator --
@@ -472,19 +514,23 @@ def measured_accesses(r):
     same schedule (a step's first one differs: it measures the tail)."""
     from mlx_pager import simulate
 
-    per_step = []
-    for st in r["marks"][1:] or r["marks"]:
-        marks = [simulate.BlockMark(*m) for m in st["marks"]]
-        per_step.append(
-            simulate.accesses_from_marks(
-                marks,
-                tuple(st["start"]),
-                tuple(st["end"]),
-                r["block_pages"],
-                r["tail_back_pages"],
-                st.get("held", False),
-            )
+    def accesses(st):
+        return simulate.accesses_from_marks(
+            [simulate.BlockMark(*m) for m in st["marks"]],
+            tuple(st["start"]),
+            tuple(st["end"]),
+            r["block_pages"],
+            r["tail_back_pages"],
+            st.get("held", False),
         )
+
+    if r.get("window", 1) > 1:
+        # A window of the frozen prefix (by_window): its steps' accesses in
+        # turn, one cycle of the schedule.
+        windows = [w["marks"] for w in r["steps"] if w.get("marks")]
+        per_step = [[a for st in w for a in accesses(st)] for w in windows[1:] or windows]
+    else:
+        per_step = [accesses(st) for st in r["marks"][1:] or r["marks"]]
     if not per_step:
         return []
     ref = [a.pages for a in per_step[-1]]
@@ -590,6 +636,21 @@ def pager_figures(r, R, read_rate, compute):
     opt = None
     if pages_per_block(r) == 1 and all(len(a.pages) == 1 for a in acc):
         opt = simulate.offline_best(acc, fp, r["page_budget"], R, read_bytes=[page_read] * len(fp), width=OPT_WIDTH)
+    # Where the frozen prefix runs ahead, the accesses are a window's steps:
+    # per step, a window's share.
+    per = r.get("window", 1)
+    if per > 1:
+        min_pages, min_bytes = min_pages / per, min_bytes / per
+        pred = dataclasses.replace(
+            pred,
+            step_s=pred.step_s / per,
+            io_wait_s=pred.io_wait_s / per,
+            reclaim_wait_s=pred.reclaim_wait_s / per,
+            bytes_read=pred.bytes_read / per,
+            pages_read=pred.pages_read / per,
+        )
+        if opt is not None:
+            opt = simulate.Offline(opt.step_s / per, opt.bytes_read / per, opt.pages_read / per)
     return dict(
         optimum=opt,
         min_pages=min_pages,
@@ -725,6 +786,14 @@ def bench_one(name, shape, a, out_dir):
             # the row has as many steps at its choice as a fixed row's after
             # its first.
             cfg["steps"] += 1
+        if paged and cfg.get("page_budget") and cfg["page_budget"] < W:
+            # The frozen prefix may run ahead (prefix.py): windows of up to
+            # AHEAD_MOST steps after the first step (alone); the trainer's
+            # readahead choice comes at the end of the first, so that a row
+            # has a window at its choice.
+            from mlx_pager.prefix import AHEAD_MOST
+
+            cfg["steps"] = max(cfg["steps"], 1 + 2 * AHEAD_MOST)
         before = (last_sample or sample_near()) if paged else None
         t = time.perf_counter()
         results[cfg_name] = run_worker(__file__, cfg, cap=cap)

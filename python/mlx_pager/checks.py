@@ -58,6 +58,9 @@ def check_flags(args) -> None:
     parts = getattr(args, "page_parts", 1)
     if parts != "auto" and (not isinstance(parts, int) or parts < 1):
         raise ValueError(f"--page-parts must be 'auto', 1 (one page per block) or more, not {parts}")
+    ahead = getattr(args, "prefix_ahead", "auto")
+    if ahead != "auto" and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
+        raise ValueError(f"--prefix-ahead must be 'auto', 1 (off) or more steps, not {ahead}")
     if args.readahead is not None and args.readahead < 0:
         raise ValueError(f"--readahead must be 0 (off) or more blocks, not {args.readahead}")
     if args.head_chunk_bytes is not None and args.head_chunk_bytes <= 0:

@@ -87,6 +87,16 @@ def _page_parts(text: str):
         raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of pages, not '{text}'") from None
 
 
+def _prefix_ahead(text: str):
+    """--prefix-ahead: 'auto' or a whole number of steps (checks.py refuses one below 1)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of steps, not '{text}'") from None
+
+
 def _lora_parser() -> argparse.ArgumentParser:
     from mlx_lm.lora import build_parser
 
@@ -110,6 +120,14 @@ def _lora_parser() -> argparse.ArgumentParser:
         fill_later=True,
         readahead="Blocks to read ahead (0 = off; default: chosen after the second step from the "
         "measured compute and read rate, by the step-time simulator).",
+    )
+    g.add_argument(
+        "--prefix-ahead",
+        type=_prefix_ahead,
+        default=None,
+        help="Steps the frozen blocks below the first trained one run ahead for: each of them is read "
+        "once for that many steps' batches, whose outputs wait in memory (default auto: by the blocks' "
+        "size against the outputs'; 1 = off). The losses and adapters are the same.",
     )
     g.add_argument("--report", type=str, default=None, help="Append per-step statistics to this JSON-lines file.")
     g.add_argument(

@@ -10,6 +10,12 @@ j == 1, j % steps_per_eval == 0 or j == iters; a report after j when
 j % steps_per_report == 0 or j == iters; a checkpoint after j when
 j % save_every == 0 (holding the weights as they were after iteration j:
 within a group those are the weights before the group's update).
+
+Another, in time: where the placement runs the frozen prefix ahead
+(prefix.py), the loop draws the batches of several optimizer steps at once
+(a window, still in mlx-lm's order, never past a validation point) and the
+window's first step computes the prefix's outputs for all of them; each
+step then starts at the first trained block.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import mlx.core as mx
 from mlx.nn.utils import average_gradients
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from . import files, interrupt, placement, resume, step
+from . import files, interrupt, placement, prefix, resume, step
 from ._core import PageReadError
 from .budget import BudgetError, format_size
 from .callbacks import PagerCallback
@@ -160,7 +166,7 @@ class _Reports:
         return info
 
 
-def _value_and_grad(s: Session, group, on_block, it: int):
+def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefix.Window] = None):
     """The step's losses and token counts per batch of `group`, the summed
     gradients, and what the step measured (step.paged_value_and_grad's
     probe, plus the placement it ran with and the peak that predicted).
@@ -169,7 +175,11 @@ def _value_and_grad(s: Session, group, on_block, it: int):
     the step does not fit (MemoryPressure: its cheaper rungs did not free
     enough), the step is abandoned (nothing was updated) and run again with
     a placement that needs less: a shorter no-recompute tail, or the batch
-    in more parts. With nothing smaller left, the run stops (BudgetError)."""
+    in more parts. With nothing smaller left, the run stops (BudgetError).
+
+    `window` (prefix.py): the steps this one belongs to; the first of a
+    window of several computes the frozen prefix's outputs for all of them
+    (step.prefix_forward), each then starts from its own."""
     while True:
         p = s.placement
         owner, mbs = [], []
@@ -177,16 +187,22 @@ def _value_and_grad(s: Session, group, on_block, it: int):
             parts = step.split_batch(*b, p.parts)
             mbs.extend(parts)
             owner.extend([g] * len(parts))
-        shapes = [tuple(mb.inputs.shape) for mb in mbs]
-        if shapes != s.last_shapes:
-            # MLX's cache holds the last step's buffers (session.place lets it):
-            # of other shapes they would sit beside this step's new ones.
-            mx.clear_cache()
-            s.last_shapes = shapes
+        start = None
         probe = {}
         s.live = probe  # read by memory traces while the step runs (callbacks.JsonReport)
         spill_before = (s.spill.bytes_written, s.spill.bytes_read) if s.spill is not None else (0, 0)
         try:
+            if window is not None and len(window) > 1:
+                if window.done == 0 and p.ahead > 1 and not window.ready(p.parts):
+                    _run_prefix(s, window, p.parts, on_block)
+                if window.ready(p.parts):
+                    mbs, start = window.outputs[window.done]
+            shapes = [tuple(mb.inputs.shape) for mb in mbs]
+            if shapes != s.last_shapes:
+                # MLX's cache holds the last step's buffers (session.place lets it):
+                # of other shapes they would sit beside this step's new ones.
+                mx.clear_cache()
+                s.last_shapes = shapes
             losses, toks, grads = step.paged_value_and_grad(
                 s.model,
                 s.weights,
@@ -199,10 +215,16 @@ def _value_and_grad(s: Session, group, on_block, it: int):
                 spill=s.spill,
                 spilled=p.spilled,
                 hold_tail=s.tail_hold(),
+                start=start,
             )
+            if start is not None:
+                window.outputs[window.done] = None  # its step has them now
+                probe["prefix_ahead"] = True
             break
         except MemoryPressure as e:
-            del mbs
+            del mbs, start
+            if window is not None:
+                window.drop()  # the steps left compute their own prefix
             release_heap()
             if not s.replan(probe, smaller=True):
                 least = placement.smallest(s.shape, s.sizes)
@@ -235,6 +257,43 @@ def _value_and_grad(s: Session, group, on_block, it: int):
     batch_losses = [sum((l for l, o in zip(losses, owner) if o == g), mx.array(0.0)) for g in range(len(group))]
     batch_toks = [sum((t for t, o in zip(toks, owner) if o == g), mx.array(0)) for g in range(len(group))]
     return batch_losses, batch_toks, grads, probe
+
+
+def _run_prefix(s: Session, window: prefix.Window, parts: int, on_block) -> None:
+    """The frozen prefix's outputs for every step of `window`, each batch
+    split into `parts` (one sweep, step.prefix_forward)."""
+    per_step = [[mb for b in group for mb in step.split_batch(*b, parts)] for _, group in window.groups]
+    flat = [mb for mbs in per_step for mb in mbs]
+    hs = step.prefix_forward(s.model, s.weights, flat, on_block=on_block, blocks=s.blocks)
+    window.outputs, window.parts, at = [], parts, 0
+    for mbs in per_step:
+        window.outputs.append((mbs, hs[at : at + len(mbs)]))
+        at += len(mbs)
+
+
+def _draw_window(s: Session, batches, it: int, k: int, is_val_point, validate, first: bool = False) -> prefix.Window:
+    """The next optimizer steps' batches, drawn in mlx-lm's order (batch j,
+    then validation before iteration j where it falls): as many steps as
+    the placement runs the frozen prefix ahead for, stopping before a step
+    with a validation point (validation draws from NumPy's generator
+    between two batches, and sees the weights of the step before it) and
+    at the last iteration. The run's `first` step is a window alone: it
+    measures the sizes the placement is planned from, which may change the
+    split a window's outputs are computed for."""
+    window = prefix.Window()
+    iters = s.args.iters
+    while len(window) < (1 if first else max(1, s.placement.ahead)) and it < iters:
+        its = list(range(it + 1, min(it + k, iters) + 1))
+        if len(window) and any(is_val_point(j) for j in its):
+            break
+        group = []
+        for j in its:
+            group.append(next(batches))
+            if is_val_point(j):
+                validate(j)
+        window.groups.append((its, group))
+        it = its[-1]
+    return window
 
 
 # What ends a run mid-step, after the last finished step is saved.
@@ -323,18 +382,18 @@ def train(
 
     cb.progress_start(args.iters)
     cb.progress_advance(it)
+    window = prefix.Window()
     try:
         while it < args.iters:
-            its = list(range(it + 1, min(it + k, args.iters) + 1))
-            it = its[-1]
-            group = []
-            for j in its:
+            if not window.left:
                 # Batch j is drawn, then validation runs, in mlx-lm's order: both
                 # draw from NumPy's global generator (batch order, validation
                 # batches), so the order of the draws decides every later batch.
-                group.append(next(batches))
-                if is_val_point(j):
-                    validate(j)
+                window = _draw_window(s, batches, it, k, is_val_point, validate, first=not result.steps)
+                s.start_window(len(window))
+            its, group = window.groups[window.done]
+            it = its[-1]
+            s.window_at(window.done)
 
             before = pager.stats()
             cb.on_step_begin(it, before)
@@ -344,7 +403,8 @@ def train(
             mx.reset_peak_memory()
             reset_peak_rss()
             tic = time.perf_counter()
-            step_losses, step_toks, grads, probe = _value_and_grad(s, group, on_block, it)
+            step_losses, step_toks, grads, probe = _value_and_grad(s, group, on_block, it, window)
+            window.done += 1
             # The next step's placement, from what this one measured.
             s.replan(probe)
             losses = [x.item() for x in step_losses]
@@ -405,6 +465,10 @@ def train(
                 "spill_read_bytes": probe.get("spill_read_bytes", 0),
                 "predicted_peak_bytes": probe["predicted_peak"],
                 "page_budget_bytes": probe["page_budget"],  # the pages' budget it ran with
+                # The frozen prefix's window (prefix.py): its steps, and this
+                # step's place in it (0: the step that ran the prefix for all).
+                "window": [len(window), window.done - 1],
+                "prefix_ahead": bool(probe.get("prefix_ahead", False)),
             }
             result.steps.append(rec)
             cb.on_step(rec)

@@ -19,6 +19,10 @@ nothing else. Per step the planner picks
   parts         each batch is split into this many micro-batches of rows
                 (step.split_batch), with the same math, when one batch's
                 working set does not fit whole.
+  ahead         the frozen prefix (the blocks below the first trained one)
+                runs ahead for this many steps at once (prefix.py), reading
+                its blocks once for all of them; their outputs wait in
+                memory for their steps. 1: each step runs its own.
 
 It picks the fastest pair whose predicted peak fits, from sizes measured on
 the previous steps (step.paged_value_and_grad's probe: one recomputed
@@ -40,6 +44,10 @@ The predicted peak covers what the budget's pool holds during the step:
                weights, biases, and weights a layer computes with directly)
   working set  the largest of: one recomputed block's forward + vjp, the
                tail's graph, the head's loss and gradient (chunked)
+  ahead        the prefix's outputs for the steps to come (ahead - 1 steps'
+               batches); or, when more, the prefix sweep's own peak (every
+               batch's hidden state and the next block's output, and one
+               forward block's working set)
 """
 
 from __future__ import annotations
@@ -164,6 +172,7 @@ class Placement:
     recomputed: int  # blocks recomputed in the backward sweep
     cost: float  # relative step time (forward passes of one block)
     spilled: int = 0  # of the recomputed blocks, the lowest ones whose checkpoints go to the SSD
+    ahead: int = 1  # steps the frozen prefix runs ahead for (prefix.py)
 
     @property
     def need(self) -> int:
@@ -181,6 +190,7 @@ class Step:
     length: int  # padded length (the longest the data can make)
     batches: int = 1  # batches per optimizer step (gradient accumulation)
     held: Optional[List[int]] = None  # per block: bytes a streamed tail holds as copies (None: 0)
+    ahead: int = 1  # steps the frozen prefix may run ahead for (prefix.py; 1: none)
 
     def micro_batches(self, parts: int) -> int:
         """Micro-batches per step when each batch is split into `parts`."""
@@ -188,7 +198,7 @@ class Step:
         return self.batches * -(-self.rows // size)
 
 
-def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int = 0) -> Placement:
+def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int = 0, ahead: int = 1) -> Placement:
     """The pages, activations and cost of one placement."""
     L, first, fp = step.num_blocks, step.first_trained, step.footprints
     s = max(first, min(L, tail_start))
@@ -220,7 +230,14 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
         work.append(sizes.head(rows, length))
     trained = L - first
     cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
-    return Placement(s, parts, pages, checkpoints + held + max(work), recomputed, cost, spilled)
+    activations = checkpoints + held + max(work)
+    ahead = max(1, ahead) if first > 0 else 1
+    if ahead > 1:
+        # The prefix's outputs for the steps to come wait beside this
+        # step; the sweep itself holds every batch's input and output.
+        sweep = 2 * ahead * batch_ckpt + sizes.forward(rows, length)
+        activations = max(activations + (ahead - 1) * batch_ckpt, sweep)
+    return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead)
 
 
 # Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module
@@ -240,7 +257,8 @@ def candidates(step: Step, sizes: Sizes) -> List[Placement]:
         for s in range(step.first_trained, step.num_blocks + 1):
             r = s - step.first_trained
             for spilled in sorted({0, r, r // 4, r // 2, 3 * r // 4}):
-                out.append(evaluate(step, sizes, s, parts, spilled))
+                for ahead in sorted({1, step.ahead}):
+                    out.append(evaluate(step, sizes, s, parts, spilled, ahead))
     return out
 
 
@@ -257,22 +275,35 @@ def choose(
     `at_most`: only placements that need less than it (the governor's
     ladder, after a step did not fit). `ceiling`: none with a longer tail,
     fewer spilled blocks or fewer parts than it (where the ladder has been,
-    a run does not return)."""
+    a run does not return).
+
+    Of equal cost, one that leaves the pages room for every block (reads
+    nothing) comes first, with the prefix not run ahead (nothing to save);
+    else the one that runs the prefix furthest ahead (fewest reads)."""
     fits = [p for p in candidates(step, sizes) if p.need <= pool and (page_cap is None or p.pages <= page_cap)]
     for bound in (at_most, ceiling):
         if bound is not None:
             fits = [
                 p
                 for p in fits
-                if p.parts >= bound.parts and p.tail_start >= bound.tail_start and p.spilled >= bound.spilled
+                if p.parts >= bound.parts
+                and p.tail_start >= bound.tail_start
+                and p.spilled >= bound.spilled
+                and p.ahead <= bound.ahead
             ]
     if at_most is not None:
         # Less than `at_most` needs by today's sizes.
-        below = evaluate(step, sizes, at_most.tail_start, at_most.parts, at_most.spilled).need
+        below = evaluate(step, sizes, at_most.tail_start, at_most.parts, at_most.spilled, at_most.ahead).need
         fits = [p for p in fits if p.need < below]
     if not fits:
         return None
-    return min(fits, key=lambda p: (p.cost, p.need))
+    weights = sum(step.footprints)
+
+    def reads(p: Placement) -> bool:
+        room = pool - p.activations
+        return min(room, page_cap) < weights if page_cap is not None else room < weights
+
+    return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
 
 
 def smallest(step: Step, sizes: Sizes) -> Placement:
@@ -284,4 +315,5 @@ def smallest(step: Step, sizes: Sizes) -> Placement:
 def describe(p: Placement, num_blocks: int) -> str:
     tail = "none" if p.tail_start >= num_blocks else f"blocks {p.tail_start}..{num_blocks - 1}"
     spill = f" ({p.spilled} checkpoints spilled to the SSD)" if p.spilled else ""
-    return f"no-recompute tail {tail}, {p.recomputed} recomputed{spill}, batch in {p.parts} part(s)"
+    ahead = f", frozen prefix {p.ahead} steps ahead" if p.ahead > 1 else ""
+    return f"no-recompute tail {tail}, {p.recomputed} recomputed{spill}, batch in {p.parts} part(s){ahead}"

@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import jit, placement, segment, step, stream, swapcache
+from . import jit, placement, prefix, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_prefixes
@@ -132,6 +132,9 @@ class Session:
     outside_grown: List[int] = field(default_factory=list)
     last_shapes: Optional[list] = None  # the micro-batch shapes of the last step (loop.py)
     held: Optional[bool] = None  # the schedule's tail is held (step.holds_tail), not streamed
+    # The frozen prefix's window (prefix.py): its steps, and how many of
+    # them have run (loop.py sets it; the schedule follows).
+    window: Tuple[int, int] = (1, 0)
 
     def memory_now(self) -> dict:
         """Checkpoints held in memory and on the SSD now (memory traces)."""
@@ -152,10 +155,15 @@ class Session:
         """The pager's access order: a training step (forward, then backward
         down to the first trained block, or to the tail's start), with each
         spilled block's checkpoint pages after its own page in the backward
-        sweep (the order step.py acquires them in)."""
+        sweep (the order step.py acquires them in). In a window of several
+        steps whose frozen prefix runs ahead (prefix.py): the prefix's
+        blocks once, then each step from its first trained block, from the
+        step about to run on."""
         slots = self.shape.micro_batches(self.parts)
         self.held = self.holds_tail()
         spilled = range(self.first_trained, self.first_trained + (self.placement.spilled if self.placement else 0))
+        steps, at = self.window
+        ahead = steps > 1 and self.placement is not None and self.placement.ahead > 1
         ids = step.step_pages(
             self.weights,
             self.first_trained,
@@ -163,8 +171,27 @@ class Session:
             slots,
             lambda i: self.spill.page_ids(i, slots) if i in spilled and self.spill is not None else [],
             held=self.held,
+            prefix=not ahead,
         )
+        if ahead:
+            sweep = [p for i in range(self.first_trained) for p in self.weights.block_pages[i]]
+            order = sweep + ids * steps
+            cut = 0 if at == 0 else len(sweep) + at * len(ids)
+            ids = order[cut:] + order[:cut]
         self.weights.pager.set_schedule(ids)
+
+    def start_window(self, steps: int) -> None:
+        """A window of `steps` steps begins (loop.py): the schedule follows
+        where the prefix runs ahead, or where the last window's did."""
+        last = self.window[0]
+        self.window = (steps, 0)
+        if steps > 1 or last > 1:
+            self.use_step_schedule()
+
+    def window_at(self, done: int) -> None:
+        """`done` steps of the window have run (the schedule, if it must be
+        set again mid-window, starts at the next)."""
+        self.window = (self.window[0], done)
 
     def holds_tail(self) -> bool:
         """Whether the placement's tail fits the page budget now, so that a
@@ -248,9 +275,16 @@ class Session:
         tail_pages = [self.page_footprints[n] for b in self.block_pages[p.tail_start :] for n in b]
         one_frame = streams and page_budget < 2 * max(tail_pages, default=0)
         one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
-        cache = CACHE_SLACK + unused + (p.activations if one_graph else 0)
+        # (The prefix's outputs waiting for their steps are live, not cache.)
+        waiting = (p.ahead - 1) * self.shape.batches * self.sizes.checkpoint(self.shape.rows, self.shape.length)
+        cache = CACHE_SLACK + unused + (p.activations - waiting if one_graph else 0)
         mx.set_cache_limit(int(cache))
-        if old is None or (old.tail_start, old.spilled, old.parts) != (p.tail_start, p.spilled, p.parts):
+        if old is None or (old.tail_start, old.spilled, old.parts, old.ahead) != (
+            p.tail_start,
+            p.spilled,
+            p.parts,
+            p.ahead,
+        ):
             self.use_step_schedule()
             mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one
 
@@ -311,7 +345,7 @@ class Session:
         a second has run (it also holds one-off costs: compiling, start-up
         probes). The pages make room (with --page-budget, the memory budget
         follows: follow_pages). Returns True when the slack changed."""
-        again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled)
+        again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled, ran.ahead)
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
         # The page pool's pages (mlx_frames.h) are the pages' memory, inside
         # the page budget, though outside MLX's counts.
@@ -344,7 +378,9 @@ class Session:
         otherwise take room from the pages or split the batch."""
         if self.page_cap is None:
             return
-        acts = placement.evaluate(self.shape, self.sizes, self.shape.first_trained, 1).activations
+        acts = placement.evaluate(
+            self.shape, self.sizes, self.shape.first_trained, 1, ahead=self.shape.ahead
+        ).activations
         budget = self.plan.fixed_without_activations + acts + self.page_cap
         if budget > self.plan.budget:
             self.plan.budget = budget
@@ -595,6 +631,16 @@ def open_session(
         batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
     )
     sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes, _largest_weight_elems(weights))
+    if training:
+        # The frozen prefix's outputs for the steps to come (prefix.py):
+        # one hidden state per batch.
+        shape.ahead = prefix.ahead_for(
+            getattr(args, "prefix_ahead", "auto"),
+            model,
+            first,
+            shape.footprints,
+            shape.batches * sizes.checkpoint(args.batch_size, seq_len),
+        )
     plan = MemoryPlan(
         budget=plan_budget,
         baseline=baseline,
@@ -623,7 +669,7 @@ def open_session(
     # chooses per step (placement.choose), usually faster.
     ceiling = None
     if training and first < L and getattr(args, "grad_checkpoint", False):
-        ceiling = placement.evaluate(shape, sizes, L, 1)
+        ceiling = placement.evaluate(shape, sizes, L, 1, ahead=shape.ahead)
     page_cap = None
     if args.page_budget is not None:
         # Benchmarks and tests: exactly this many bytes of pages, besides
@@ -640,7 +686,11 @@ def open_session(
             except Exception as e:  # as for the block probe: the formula plans
                 say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")
             release_heap()
-        fastest = ceiling if ceiling is not None else placement.evaluate(shape, sizes, shape.first_trained, 1)
+        fastest = (
+            ceiling
+            if ceiling is not None
+            else placement.evaluate(shape, sizes, shape.first_trained, 1, ahead=shape.ahead)
+        )
         plan.activations = fastest.activations
         plan.budget = plan.fixed + page_cap
         plan.margin = Governor.margin_for(plan.budget)

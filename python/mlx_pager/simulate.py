@@ -995,7 +995,10 @@ class AutoReadahead:
     since the last choice (the plan moves it a little after most steps as
     it learns; each choice simulates the step a few dozen times, seconds on
     a large model); never once the governor has degraded, nor while
-    checkpoints are spilled through the pager.
+    checkpoints are spilled through the pager. Where the frozen prefix runs
+    ahead (prefix.py), the steps of a window differ (its first runs the
+    prefix for all): the choice is made at a window's end, from all its
+    steps, the first of which is at least the `after`-th.
 
     A callback object for the trainer's Callbacks (it has the hooks it needs:
     on_session, on_step_begin, on_block, on_step). `say(text)`: told each
@@ -1013,6 +1016,8 @@ class AutoReadahead:
         self._marks: List[BlockMark] = []
         self._key = None  # (page budget, schedule) of the last choice
         self._said: Optional[Settings] = None
+        self._window: List[List[Access]] = []  # the accesses of the window's steps so far
+        self._window_first = 0  # the step number of the window's first step
 
     def needs_choice(self, budget: int, schedule: tuple) -> bool:
         """Whether a step with this page budget and schedule (its accesses'
@@ -1057,6 +1062,15 @@ class AutoReadahead:
         acc = accesses_from_marks(
             self._marks, start, end, s.block_pages, s.tail_back_pages, bool(record.get("tail_held"))
         )
+        steps, at = record.get("window", (1, 0))
+        if steps > 1:
+            if at == 0:
+                self._window, self._window_first = [], self.steps
+            self._window.append(acc)
+            if at < steps - 1 or len(self._window) != steps or self._window_first < self.after:
+                return
+            acc = [a for one in self._window for a in one]
+            self._window = []
         budget = int(s.gov.page_budget)
         if not self.needs_choice(budget, tuple(a.pages for a in acc)):
             return
@@ -1082,6 +1096,6 @@ class AutoReadahead:
             p = self.chosen
             depth = p.settings.readahead / unit
             self.say(
-                f"Readahead: {depth:g} blocks, {p.settings.mode} (predicted {p.step_s:.2f}s/step, "
-                f"{p.bytes_read / 1e9:.2f}GB read/step at {self.rate / 1e9:.2f}GB/s)"
+                f"Readahead: {depth:g} blocks, {p.settings.mode} (predicted {p.step_s / steps:.2f}s/step, "
+                f"{p.bytes_read / steps / 1e9:.2f}GB read/step at {self.rate / 1e9:.2f}GB/s)"
             )

@@ -557,7 +557,13 @@ def holds_tail(weights, tail_start: int, page_budget: int) -> bool:
 
 
 def step_pages(
-    weights, first_trained: int, tail_start: Optional[int], micro_batches: int = 1, after=None, held: bool = False
+    weights,
+    first_trained: int,
+    tail_start: Optional[int],
+    micro_batches: int = 1,
+    after=None,
+    held: bool = False,
+    prefix: bool = True,
 ) -> List[int]:
     """The page ids of one training step in the order it acquires them:
     forward, then backward down to the first trained block, each block's
@@ -566,13 +572,15 @@ def step_pages(
     backward_pages names) once per micro-batch, or, `held` (holds_tail),
     bound once for all micro-batches; the backward sweep below starts at
     s-1. `after(i)`: pages acquired right after block i's in the backward
-    sweep (its spilled checkpoints)."""
+    sweep (its spilled checkpoints). `prefix=False`: a step whose frozen
+    prefix ran ahead (prefix.py): its forward starts at the first trained
+    block."""
     from .stream import backward_pages
 
     L = weights.num_blocks
     s = L if tail_start is None else max(first_trained, min(L, tail_start))
     pages = weights.block_pages
-    ids = [p for i in range(s) for p in pages[i]]
+    ids = [p for i in range(0 if prefix else first_trained, s) for p in pages[i]]
     tail = [p for i in range(s, L) for p in pages[i]]
     if held:
         ids += tail
@@ -607,6 +615,7 @@ def paged_value_and_grad(
     spill=None,
     spilled: int = 0,
     hold_tail: bool = False,
+    start: Optional[List[mx.array]] = None,
 ) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
     """Losses and token counts per micro-batch, and the SUM over micro-batches
     of the adapter gradients, as a flat {model parameter path: grad} dict.
@@ -621,6 +630,9 @@ def paged_value_and_grad(
     `spill` (a spill.SpillStore) and `spilled` = k: the checkpoints of the
     recomputed blocks first..first+k-1 go to the SSD after the forward
     sweep uses them and come back through the pager in the backward sweep.
+    `start`: each micro-batch's input to the first trained block, computed
+    ahead (prefix_forward: the frozen blocks below it do not depend on the
+    adapters); the forward sweep then starts there.
 
     `probe` (a dict) gets what this step measured, for the placement
     planner (placement.py), from MLX's peak-memory counter (which it
@@ -646,11 +658,13 @@ def paged_value_and_grad(
     # the same masks; without it (mlx-lm's default) the global PRNG is left
     # untouched, as mlx-lm does.
     keys = _dropout_keys(model, L, len(micro_batches))
-    hs = [mb.h0 for mb in micro_batches]
+    if start is not None and len(start) != len(micro_batches):
+        raise ValueError(f"{len(start)} prefix outputs for {len(micro_batches)} micro-batches")
+    hs = list(start) if start is not None else [mb.h0 for mb in micro_batches]
     saved: Dict[int, List[mx.array]] = {}
     to_ssd = set(range(first, min(s_tail, first + spilled))) if spill is not None else set()
     held = 0  # bytes of checkpoints in memory (probe["checkpoint_bytes"], for memory traces)
-    for i in range(s_tail):
+    for i in range(first if start is not None else 0, s_tail):
         # A block of several pages, one micro-batch: its pages are lazy reads
         # in the block's graph (stream.forward_pages), so the later ones are
         # read while MLX computes with the first. Otherwise the block is
@@ -822,6 +836,37 @@ def _measure_end(probe: dict, base: int) -> int:
     peak = mx.get_peak_memory()
     probe["peak"] = max(probe.get("peak", 0), peak)
     return max(0, peak - base)
+
+
+def prefix_forward(
+    model: nn.Module,
+    weights,
+    micro_batches: Sequence[MicroBatch],
+    on_block=None,
+    blocks: Optional[Blocks] = None,
+) -> List[mx.array]:
+    """Each micro-batch's input to the first trained block: the frozen
+    blocks below it run forward, layer-major (each block read once for all
+    the micro-batches), one micro-batch at a time through the same compiled
+    block functions a step runs, so the outputs are a step's own, bit for
+    bit. The micro-batches may belong to several steps to come (prefix.py):
+    these blocks have no adapters, so their outputs do not depend on the
+    updates in between. `on_block("forward", i)` after each block."""
+    first = first_trained_block(model)
+    blocks = blocks or Blocks(model)
+    for mb in micro_batches:
+        mb.record(model)
+    hs = [mb.h0 for mb in micro_batches]
+    for i in range(first):
+        with weights.bound(i):
+            out = []
+            for h, mb in zip(hs, micro_batches):
+                out.append(blocks.forward(i, h, mb.calls[i]))
+                mx.eval(out[-1])
+            hs = out
+        if on_block is not None:
+            on_block("forward", i)
+    return hs
 
 
 def paged_loss(

@@ -77,6 +77,10 @@ DEFAULTS = {
     "readahead_mode": "conservative",
     "io_threads": 4,
     "page_parts": "auto",  # pages per block; "auto": by the page budget (session.page_parts)
+    # Steps the frozen prefix (blocks below the first trained one) runs
+    # ahead for, its blocks read once for all of them (prefix.py); "auto":
+    # chosen by their size against the outputs' (1: off).
+    "prefix_ahead": "auto",
     "direct_io": True,
     "head_chunk_bytes": 64 << 20,
     "report": None,

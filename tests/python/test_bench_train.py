@@ -91,3 +91,32 @@ def test_the_bootstrap_interval_holds_the_median_and_narrows_with_more_steps():
     lo_many, hi_many = bench_train.bootstrap_interval(few * 12)
     assert hi_many - lo_many < hi - lo
     assert bench_train.bootstrap_interval(few) == (lo, hi)  # a fixed seed: the same run prints the same
+
+
+def test_a_rows_figures_are_per_window_where_the_prefix_runs_ahead():
+    def st(t, n, at, b):
+        return dict(
+            step_s=t,
+            tokens=10,
+            bytes_read=b,
+            io_wait_s=0.0,
+            read_busy_s=0.1,
+            pages_read=1,
+            mlx_peak=5,
+            page_budget_bytes=100,
+            readahead=[1, "c"],
+            window=[n, at],
+        )
+
+    # the first step alone, then two windows of three (the first runs the
+    # prefix for all three: slower, more reads) and an incomplete one
+    steps = [st(2.0, 1, 0, 9)] + [st(t, 3, i, b) for _ in range(2) for i, (t, b) in enumerate([(3, 6), (1, 3), (1, 3)])]
+    steps.append(st(3.0, 3, 0, 6))
+    marks = [{"m": i} for i in range(len(steps))]
+    out, width = bench_train.by_window(steps, marks)
+    assert width == 3 and len(out) == 3
+    assert out[1]["step_s"] == 5 / 3 and out[1]["tokens_per_s"] == 30 / 5 and out[1]["bytes_read"] == 4
+    assert out[1]["marks"] == marks[1:4] and out[0]["window"] == [1, 0]
+    # no window of several: the steps as they are
+    alone = [st(1.0, 1, 0, 1) for _ in range(3)]
+    assert bench_train.by_window(alone, marks[:3]) == (alone, 1)

@@ -82,6 +82,7 @@ def test_missing_data_dir_and_model_dir(capsys, model, tmp_path):
         ("--batch-size", 0, "--batch-size must be a whole number of at least 1"),
         ("--readahead", -1, "--readahead must be 0"),
         ("--page-parts", 0, "--page-parts must be 'auto', 1"),
+        ("--prefix-ahead", 0, "--prefix-ahead must be 'auto', 1 (off)"),
         ("--iters", 0, "--iters must be"),
         ("--memory-budget", "abc", "invalid --memory-budget 'abc'"),
     ],
