@@ -77,24 +77,23 @@ def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: 
     return g
 
 
-def _page_parts(text: str):
-    """--page-parts: 'auto' or a whole number (checks.py refuses one below 1)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of pages, not '{text}'") from None
+def _auto_or_whole(unit: str):
+    """An argparse type for a flag that takes 'auto' or a whole number of
+    `unit` (checks.py refuses one below 1): --page-parts, --prefix-ahead."""
+
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of {unit}, not '{text}'") from None
+
+    return parse
 
 
-def _prefix_ahead(text: str):
-    """--prefix-ahead: 'auto' or a whole number of steps (checks.py refuses one below 1)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or a whole number of steps, not '{text}'") from None
+_page_parts = _auto_or_whole("pages")
+_prefix_ahead = _auto_or_whole("steps")
 
 
 def _lora_parser() -> argparse.ArgumentParser:

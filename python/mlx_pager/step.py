@@ -852,12 +852,18 @@ def prefix_forward(
     bit. The micro-batches may belong to several steps to come (prefix.py):
     these blocks have no adapters, so their outputs do not depend on the
     updates in between. `on_block("forward", i)` after each block."""
-    first = first_trained_block(model)
+    return _forward_sweep(model, weights, micro_batches, first_trained_block(model), on_block, "forward", blocks)
+
+
+def _forward_sweep(model, weights, micro_batches, upto: int, on_block, phase: str, blocks: Optional[Blocks]):
+    """The micro-batches' hidden states after blocks 0..upto-1, forward
+    only, layer-major, each block bound whole; `on_block(phase, i)` after
+    each block."""
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
     hs = [mb.h0 for mb in micro_batches]
-    for i in range(first):
+    for i in range(upto):
         with weights.bound(i):
             out = []
             for h, mb in zip(hs, micro_batches):
@@ -865,7 +871,7 @@ def prefix_forward(
                 mx.eval(out[-1])
             hs = out
         if on_block is not None:
-            on_block("forward", i)
+            on_block(phase, i)
     return hs
 
 
@@ -878,18 +884,5 @@ def paged_loss(
     blocks: Optional[Blocks] = None,
 ):
     """Forward only (evaluation): losses and token counts per micro-batch."""
-    L = len(model.layers)
-    blocks = blocks or Blocks(model)
-    for mb in micro_batches:
-        mb.record(model)
-    hs = [mb.h0 for mb in micro_batches]
-    for i in range(L):
-        with weights.bound(i):
-            out = []
-            for h, mb in zip(hs, micro_batches):
-                out.append(blocks.forward(i, h, mb.calls[i]))
-                mx.eval(out[-1])
-            hs = out
-        if on_block is not None:
-            on_block("eval", i)
+    hs = _forward_sweep(model, weights, micro_batches, len(model.layers), on_block, "eval", blocks)
     return [(head_loss(model, mb, h, head_chunk_bytes), mb.ntoks) for h, mb in zip(hs, micro_batches)]
