@@ -173,6 +173,7 @@ class Placement:
     cost: float  # relative step time (forward passes of one block)
     spilled: int = 0  # of the recomputed blocks, the lowest ones whose checkpoints go to the SSD
     ahead: int = 1  # steps the frozen prefix runs ahead for (prefix.py)
+    waiting: int = 0  # bytes of the prefix's outputs waiting for the steps to come (in activations)
 
     @property
     def need(self) -> int:
@@ -232,12 +233,13 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
     activations = checkpoints + held + max(work)
     ahead = max(1, ahead) if first > 0 else 1
+    waiting = (ahead - 1) * batch_ckpt
     if ahead > 1:
         # The prefix's outputs for the steps to come wait beside this
         # step; the sweep itself holds every batch's input and output.
         sweep = 2 * ahead * batch_ckpt + sizes.forward(rows, length)
-        activations = max(activations + (ahead - 1) * batch_ckpt, sweep)
-    return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead)
+        activations = max(activations + waiting, sweep)
+    return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting)
 
 
 # Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module

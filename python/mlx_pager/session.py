@@ -276,8 +276,7 @@ class Session:
         one_frame = streams and page_budget < 2 * max(tail_pages, default=0)
         one_graph = p.recomputed == 0 and p.parts == 1 and self.shape.batches == 1 and not one_frame
         # (The prefix's outputs waiting for their steps are live, not cache.)
-        waiting = (p.ahead - 1) * self.shape.batches * self.sizes.checkpoint(self.shape.rows, self.shape.length)
-        cache = CACHE_SLACK + unused + (p.activations - waiting if one_graph else 0)
+        cache = CACHE_SLACK + unused + (p.activations - p.waiting if one_graph else 0)
         mx.set_cache_limit(int(cache))
         if old is None or (old.tail_start, old.spilled, old.parts, old.ahead) != (
             p.tail_start,
