@@ -440,8 +440,11 @@ def by_window(steps, marks):
     window's steps, so a step alone says little; the row's figures are taken
     per window instead (its steps' mean: time, reads, waits; tokens/s over
     the whole window), and its marks are the window's steps' marks, in
-    order. Returns (the windows as steps, the steps in the longest window);
-    only complete windows count. Without windows: the steps as they are."""
+    order, and `indices` the steps it holds. Returns (the windows as steps,
+    their width): the first window (the run's first step) and then only
+    windows of the most common width (a window cut short by the run's end
+    is another cycle of the schedule). Without windows: the steps as they
+    are."""
     groups = []
     for i, st in enumerate(steps):
         n, at = st.get("window", (1, 0))
@@ -449,9 +452,11 @@ def by_window(steps, marks):
             groups.append([])
         groups[-1].append(i)
     groups = [g for g in groups if len(g) == steps[g[0]].get("window", (1, 0))[0]]
-    width = max((len(g) for g in groups), default=1)
+    widths = [len(g) for g in groups[1:]]
+    width = max(set(widths), key=lambda n: (widths.count(n), n)) if widths else 1
     if width == 1:
         return steps, 1
+    groups = groups[:1] + [g for g in groups[1:] if len(g) == width]
     out = []
     for g in groups:
         ws = [steps[i] for i in g]
@@ -462,6 +467,7 @@ def by_window(steps, marks):
             page_budget_bytes=min(w["page_budget_bytes"] for w in ws),
             readahead=ws[-1]["readahead"],
             window=[len(g), 0],
+            indices=g,
             marks=[marks[i] for i in g] if len(marks) == len(steps) else None,
         )
         out.append(mean)
@@ -786,7 +792,7 @@ def bench_one(name, shape, a, out_dir):
             # the row has as many steps at its choice as a fixed row's after
             # its first.
             cfg["steps"] += 1
-        if paged and cfg.get("page_budget") and cfg["page_budget"] < W:
+        if paged and "steps" not in shape and cfg["num_layers"] < shape["spec"]["num_hidden_layers"]:
             # The frozen prefix may run ahead (prefix.py): windows of up to
             # AHEAD_MOST steps after the first step (alone); the trainer's
             # readahead choice comes at the end of the first, so that a row
@@ -960,6 +966,13 @@ def bench_one(name, shape, a, out_dir):
             "steps_tokens_per_s": [st["tokens_per_s"] for st in r["steps"]],
             "steady": steady_indices(r["steps"]),
         }
+        if r.get("window", 1) > 1:
+            # per window (by_window): each step's time, and the steps of
+            # each window the row's figures count
+            row["steps_s"] = [st["step_s"] for st in r["step_records"]]
+            row["windows"] = [r["steps"][i]["indices"] for i in row["steady"]]
+        elif "step_s" in (r["steps"][0] if r["steps"] else {}):
+            row["steps_s"] = [st["step_s"] for st in r["steps"]]
         if r.get("lockstep"):
             row["lockstep"] = True
         if resident_tps:
@@ -1127,6 +1140,16 @@ def pairs_summary(rows) -> dict:
         if a.get("lockstep") and b.get("lockstep"):
             both = sorted(set(a["steady"]) & set(b["steady"]))
             each = [b["steps_tokens_per_s"][k] / a["steps_tokens_per_s"][k] for k in both]
+            if b.get("windows") and a.get("steps_s"):
+                # The pager's frozen prefix ran ahead: its window's first
+                # step computes it for all, so a window against mlx-lm's
+                # same steps (the same batches), as whole times.
+                steady = set(a["steady"])
+                each = [
+                    sum(a["steps_s"][k] for k in w) / sum(b["steps_s"][k] for k in w)
+                    for w in b["windows"]
+                    if set(w) <= steady
+                ]
             if each:
                 steps += each
                 ratios.append(statistics.median(each))
@@ -1139,7 +1162,12 @@ def pairs_summary(rows) -> dict:
     m = statistics.median(steps)
     lo, hi = bootstrap_interval(steps)
     each = " / ".join(f"{x:.2f}x" for x in ratios)
-    how = f"{len(ratios)} pairs in lockstep, {len(steps)} steps" if lockstep else f"{len(ratios)} adjacent pairs"
+    unit = (
+        "windows of steps"
+        if any(by_name.get(f"pager 100% pair {i}", {}).get("windows") for i in range(1, PAIRS + 1))
+        else "steps"
+    )
+    how = f"{len(ratios)} pairs in lockstep, {len(steps)} {unit}" if lockstep else f"{len(ratios)} adjacent pairs"
     line = (
         f"   pager 100% against resident, {how}: pairs {each}, median of the steps {m:.3f}x "
         f"(90% bootstrap interval {lo:.3f}-{hi:.3f}x)"

@@ -117,6 +117,32 @@ def test_a_rows_figures_are_per_window_where_the_prefix_runs_ahead():
     assert width == 3 and len(out) == 3
     assert out[1]["step_s"] == 5 / 3 and out[1]["tokens_per_s"] == 30 / 5 and out[1]["bytes_read"] == 4
     assert out[1]["marks"] == marks[1:4] and out[0]["window"] == [1, 0]
+    assert out[2]["indices"] == [4, 5, 6]
+    # a window cut short by the run's end is another cycle: not counted
+    cut = steps[:7] + [st(3.0, 2, 0, 6), st(1.0, 2, 1, 3)]
+    out, width = bench_train.by_window(cut, marks[:9])
+    assert width == 3 and [w["indices"] for w in out] == [[0], [1, 2, 3], [4, 5, 6]]
     # no window of several: the steps as they are
     alone = [st(1.0, 1, 0, 1) for _ in range(3)]
     assert bench_train.by_window(alone, marks[:3]) == (alone, 1)
+
+
+def test_lockstep_pairs_compare_a_window_with_mlx_lms_same_steps():
+    a = dict(
+        config="mlx-lm pair 1",
+        lockstep=True,
+        steady=[1, 2, 3, 4, 5, 6],
+        steps_s=[9, 1, 1, 1, 1, 1, 1],
+        steps_tokens_per_s=[1] * 7,
+    )
+    # the pager's windows of three: 2 + 0.5 + 0.5 s against mlx-lm's 3 x 1 s
+    b = dict(
+        config="pager 100% pair 1",
+        lockstep=True,
+        steady=[1, 2],
+        windows=[[1, 2, 3], [4, 5, 6]],
+        steps_s=[9, 2, 0.5, 0.5, 2, 0.5, 0.5],
+        steps_tokens_per_s=[1, 1, 1],
+    )
+    out = bench_train.pairs_summary([a, b])
+    assert out["steps"] == [1.0, 1.0] and out["lockstep"] and "windows of steps" in out["line"]
