@@ -1,11 +1,13 @@
 """Soak: a long run at a small page budget, watching for leaks (not CI).
 
-    python bench/bench_soak.py [--steps 300] [--fraction 0.25] [--out DIR]
+    python bench/bench_soak.py [--steps 300] [--fraction 0.25] [--num-layers N] [--out DIR]
 
 Generates a model (once, under --out), LoRA-trains it for --steps steps with
 the swap store (checksummed pages) and a page budget of --fraction of the
-paged weights, so that blocks are read from the swap file every step, and
-prints:
+paged weights, so that blocks are read from the swap file every step, with
+LoRA on the last --num-layers blocks (default: half of them, as mlx-lm's
+default of 16 is of most models, so that the frozen prefix runs ahead of the
+steps in windows, prefix.py), and prints:
 
   - the RSS slope: a least-squares line through the RSS after each step
     (the first 10 steps, warm-up, left out), in bytes per step and MB per
@@ -59,7 +61,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/soak")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--num-layers", type=int, default=None, help="trained blocks (default: half of --layers)")
     a = ap.parse_args()
+    trained = a.num_layers if a.num_layers is not None else max(1, a.layers // 2)
     out = Path(a.out).resolve()
     spec = modelgen.ModelSpec(
         arch="llama",
@@ -91,7 +95,7 @@ def main() -> None:
             train=True,
             iters=steps,
             batch_size=2,
-            num_layers=a.layers,
+            num_layers=trained,
             learning_rate=1e-4,
             steps_per_report=50,
             steps_per_eval=10**9,
@@ -136,6 +140,10 @@ def main() -> None:
         "checksum_errors": st["checksum_errors"],
         "loss_first_last": [res.steps[0]["loss"], res.steps[-1]["loss"]],
         "step_s_median": sorted(s["step_s"] for s in res.steps)[len(res.steps) // 2],
+        "trained_blocks": trained,
+        # steps that ran in a window of the frozen prefix (more than one step)
+        "windowed_steps": sum(1 for s in res.steps if s.get("window", (1, 0))[0] > 1),
+        "widest_window": max((s.get("window", (1, 0))[0] for s in res.steps), default=1),
     }
     for key, v in report.items():
         print(f"{key:28s} {v:.4g}" if isinstance(v, float) else f"{key:28s} {v}")
