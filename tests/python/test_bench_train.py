@@ -146,3 +146,15 @@ def test_lockstep_pairs_compare_a_window_with_mlx_lms_same_steps():
     )
     out = bench_train.pairs_summary([a, b])
     assert out["steps"] == [1.0, 1.0] and out["lockstep"] and "windows of steps" in out["line"]
+
+
+def test_a_rows_read_rate_for_its_figures_leaves_out_its_first_step():
+    # The big shape's first 25% row: 8.2 GB at 88 MB/s in its first step,
+    # then ~2 GB/s. Its figures (and the prediction) come from the later
+    # steps; the shape's R may still count every step a row ran.
+    def st(b, busy):
+        return dict(bytes_read=b, read_busy_s=busy, readahead=[1, "a"])
+
+    r = {"steps": [st(8.2e9, 93.0), st(7.2e9, 3.6), st(7.2e9, 3.6)]}
+    assert abs(bench_train.busy_read_rate(r, steady=True) - 2e9) < 1
+    assert bench_train.busy_read_rate(r) < 0.3e9
