@@ -489,6 +489,16 @@ def busy_read_rate(r, steady: bool = False) -> float:
     return sum(st["bytes_read"] for st in steps) / busy if busy > 0 else 0.0
 
 
+def row_rate(r, R: float) -> float:
+    """A pager row's R: the disk's rate around it (sample_near), or where
+    higher the rate its own reads got in the steps its figures come from
+    (the device gave at least that), never above the shape's R (the row is
+    held to no more than the device's best); the shape's R where neither is
+    known (a lockstep pair has no samples around it, and its steps after
+    the first may read nothing)."""
+    return min(R, max(busy_read_rate(r, steady=True), r.get("disk_near", 0.0))) or R
+
+
 def steady_indices(steps) -> list:
     """Which steps a row's figures are taken from: those after the first that
     ran the readahead the last step ran with (without --readahead the
@@ -1005,7 +1015,7 @@ def bench_one(name, shape, a, out_dir):
             # that), never above the shape's R (the row is held to no more
             # than the device's best). The prediction reads at the rate the
             # row's reads got.
-            R_row = min(R, max(busy_read_rate(r, steady=True), r.get("disk_near", 0.0)))
+            R_row = row_rate(r, R)
             # (a row that read nothing: any rate predicts the same)
             fig = pager_figures(r, R_row, busy_read_rate(r, steady=True) or R_pager, compute)
             best_bound = max(fig["min_bytes"] / R, fig["bound_compute"])

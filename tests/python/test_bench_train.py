@@ -158,3 +158,17 @@ def test_a_rows_read_rate_for_its_figures_leaves_out_its_first_step():
     r = {"steps": [st(8.2e9, 93.0), st(7.2e9, 3.6), st(7.2e9, 3.6)]}
     assert abs(bench_train.busy_read_rate(r, steady=True) - 2e9) < 1
     assert bench_train.busy_read_rate(r) < 0.3e9
+
+
+def test_a_row_that_reads_nothing_after_its_first_step_is_held_to_the_shapes_rate():
+    # A lockstep pair at 100%: no disk samples around it, and its steps
+    # after the first read nothing (b669623 divided by a rate of 0).
+    def st(b, busy):
+        return dict(bytes_read=b, read_busy_s=busy, readahead=[1, "c"])
+
+    pair = {"steps": [st(1.6e9, 1.0), st(0, 0.0), st(0, 0.0)]}
+    assert bench_train.row_rate(pair, 2e9) == 2e9
+    sampled = dict(pair, disk_near=1.5e9)
+    assert bench_train.row_rate(sampled, 2e9) == 1.5e9
+    fast = {"steps": [st(1e9, 1.0), st(3e9, 1.0)], "disk_near": 1.5e9}
+    assert bench_train.row_rate(fast, 2e9) == 2e9  # never above the shape's R
