@@ -65,8 +65,8 @@ each pager row has its own R ("R GB/s"): every setting sampled right before
 and right after the row, the best setting's mean of the two, or, where
 higher, the rate the row's own reads got (its bytes read over the time a
 read was in flight, the pager's read_busy_s, in the steps its figures come
-from: the device delivered at least that), never above the shape's R: the best of three longer measurements or
-of any row's reads. "vs bnd" is against the
+from: the device delivered at least that), never above the shape's R: the
+best of three longer measurements or of any row's reads. "vs bnd" is against the
 row's bound, "vs best" against the bound at the shape's R. One `dd
 iflag=direct` stream is printed beside it. Compute is shown twice: resident (mlx-lm) and
 with recompute (mlx-lm --grad-checkpoint; per pager row, "comp s": with the
@@ -1010,14 +1010,11 @@ def bench_one(name, shape, a, out_dir):
         if r.get("cap"):
             row["cap"], row["cgroup_peak"] = r["cap"], r["cgroup_peak"]
         if "page_budget" in r:
-            # The row's R: the disk's rate around it (sample_near), or where
-            # higher the rate its own reads got (the device gave at least
-            # that), never above the shape's R (the row is held to no more
-            # than the device's best). The prediction reads at the rate the
-            # row's reads got.
+            # The prediction reads at the rate the row's reads got (a row
+            # that read nothing: any rate predicts the same).
+            got = busy_read_rate(r, steady=True)
             R_row = row_rate(r, R)
-            # (a row that read nothing: any rate predicts the same)
-            fig = pager_figures(r, R_row, busy_read_rate(r, steady=True) or R_pager, compute)
+            fig = pager_figures(r, R_row, got or R_pager, compute)
             best_bound = max(fig["min_bytes"] / R, fig["bound_compute"])
             pages_step, min_pages = med(cfg_name, "pages_read"), fig["min_pages"]
             bytes_step, min_bytes = med(cfg_name, "bytes_read"), fig["min_bytes"]
@@ -1052,7 +1049,7 @@ def bench_one(name, shape, a, out_dir):
                 # the pages' footprints and the rate its reads got.
                 accesses=[[list(a.pages), a.hold_s, a.gap_s] for a in fig["accesses"]],
                 page_footprints=list(r["page_footprints"]),
-                read_Bps=busy_read_rate(r, steady=True),
+                read_Bps=got,
                 report=r.get("report"),
                 governor=r.get("governor"),
             )
