@@ -47,13 +47,16 @@ The predicted peak covers what the budget's pool holds during the step:
   ahead        the prefix's outputs for the steps to come (ahead - 1 steps'
                batches); or, when more, the prefix sweep's own peak (every
                batch's hidden state and the next block's output, and one
-               forward block's working set)
+               forward block's working set on a group of micro-batches,
+               prefix.sweep_group)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from .prefix import sweep_group
 
 # Relative cost of a step's parts, in forward passes of one block: a frozen
 # block's backward (input gradients through the frozen weights, the
@@ -237,7 +240,9 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     if ahead > 1:
         # The prefix's outputs for the steps to come wait beside this
         # step; the sweep itself holds every batch's input and output.
-        sweep = 2 * ahead * batch_ckpt + sizes.forward(rows, length)
+        # Its block works on a group of micro-batches at once (prefix.py).
+        group = sweep_group(rows, length, ahead * step.micro_batches(parts))
+        sweep = 2 * ahead * batch_ckpt + sizes.forward(group * rows, length)
         activations = max(activations + waiting, sweep)
     return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting)
 

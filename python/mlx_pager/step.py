@@ -32,6 +32,7 @@ read once per sweep per optimizer step, not once per micro-batch.
 from __future__ import annotations
 
 import inspect
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,6 +42,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .layers import BlockList, NotPageable, architecture
+from .prefix import GROUP_TOKENS
 from .stream import Stream, forward_pages
 
 
@@ -441,6 +443,7 @@ class Blocks:
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
+        self.grouped: Dict[tuple, bool] = {}  # (block, shapes) -> same bits as one at a time (forward_group)
         self.tail = Tail(model, compile and compile_tail)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
@@ -477,6 +480,46 @@ class Blocks:
         finally:
             layer.update(params)  # tracing left tracers in the module
         return run_block(layer, h, call) if out is None else out
+
+    def forward_group(self, i: int, hs: Sequence[mx.array], call) -> List[mx.array]:
+        """Each of `hs` (micro-batches of one call, sweep_groups) through
+        block i, forward only, evaluated, with the bits forward() gives
+        each on its own. Several go through as one batch (concatenated
+        along the rows: a larger matrix product, faster per row) where
+        this block and these shapes were seen to give the same bits that
+        way: the first time, each is computed alone as well and the two
+        compared (`grouped` keeps the answer per block and shapes); a
+        group that differs, or that the block cannot take, runs one at a
+        time from then on."""
+
+        def each() -> List[mx.array]:
+            out = []
+            for h in hs:
+                out.append(self.forward(i, h, call))
+                mx.eval(out[-1])
+            return out
+
+        key = (i, tuple(tuple(h.shape) for h in hs))
+        if len(hs) == 1 or self.grouped.get(key) is False:
+            return each()
+        alone = each() if key not in self.grouped else None
+        uncompiled = dict(self.uncompiled)
+        try:
+            whole = self.forward(i, mx.concatenate(list(hs), axis=0), call)
+            mx.eval(whole)
+        except Exception:
+            # Not this block's failure to compile: one at a time it compiles.
+            self.uncompiled = uncompiled
+            self.grouped[key] = False
+            return alone if alone is not None else each()
+        ends = list(itertools.accumulate(int(h.shape[0]) for h in hs))
+        together = [whole[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        if alone is None:
+            return together
+        self.grouped[key] = all(
+            t.shape == a.shape and t.dtype == a.dtype and mx.array_equal(t, a).item() for t, a in zip(together, alone)
+        )
+        return alone
 
     def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
         layer = self.model.layers[i]
@@ -852,23 +895,79 @@ def prefix_forward(
     bit. The micro-batches may belong to several steps to come (prefix.py):
     these blocks have no adapters, so their outputs do not depend on the
     updates in between. `on_block("forward", i)` after each block."""
-    return _forward_sweep(model, weights, micro_batches, first_trained_block(model), on_block, "forward", blocks)
+    return _forward_sweep(
+        model, weights, micro_batches, first_trained_block(model), on_block, "forward", blocks, GROUP_TOKENS
+    )
 
 
-def _forward_sweep(model, weights, micro_batches, upto: int, on_block, phase: str, blocks: Optional[Blocks]):
+def sweep_groups(hs: Sequence[mx.array], calls: Sequence, most_tokens: int) -> List[List[int]]:
+    """The indices of `hs` in groups that can go through a block as one
+    batch (concatenated along the rows): the same trailing shape and dtype,
+    calls with the same arguments (arrays equal in value), at most
+    `most_tokens` positions a group; in order of their first member.
+    most_tokens <= 0: each alone."""
+    groups: List[List[int]] = []
+    open_: Dict[tuple, Tuple[List[int], int]] = {}  # key -> (group, its positions)
+    for j, (h, call) in enumerate(zip(hs, calls)):
+        tokens = int(h.shape[0] * h.shape[1]) if h.ndim >= 2 else most_tokens + 1
+        key = _group_key(h, call) if 0 < 2 * tokens <= most_tokens else None
+        if key is not None and key in open_ and open_[key][1] + tokens <= most_tokens:
+            group, had = open_[key]
+            group.append(j)
+            open_[key] = (group, had + tokens)
+            continue
+        groups.append([j])
+        if key is not None:
+            open_[key] = (groups[-1], tokens)
+    return groups
+
+
+# An array in a block's call larger than this never lets micro-batches group
+# (its value would be compared element by element).
+_KEY_ELEMENTS = 1 << 16
+
+
+def _group_key(h: mx.array, call) -> Optional[tuple]:
+    """What micro-batches must share to go through a block together: the
+    hidden state's shape after the rows and its dtype, and the call's
+    arguments (an array by its shape, dtype and values). None: never
+    grouped (an array too large to compare)."""
+    leaves = []
+    for path, v in tree_flatten(call):
+        if isinstance(v, mx.array):
+            if v.size > _KEY_ELEMENTS:
+                return None
+            values = v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v
+            leaves.append((path, tuple(v.shape), str(v.dtype), tuple(values.reshape(-1).tolist())))
+        else:
+            try:
+                hash(v)
+                leaves.append((path, v))
+            except TypeError:
+                leaves.append((path, repr(v)))
+    return (tuple(h.shape[1:]), str(h.dtype), tuple(leaves))
+
+
+def _forward_sweep(
+    model, weights, micro_batches, upto: int, on_block, phase: str, blocks: Optional[Blocks], group_tokens: int = 0
+):
     """The micro-batches' hidden states after blocks 0..upto-1, forward
     only, layer-major, each block bound whole; `on_block(phase, i)` after
-    each block."""
+    each block. `group_tokens` > 0: micro-batches of one shape and call go
+    through a block together, up to that many positions
+    (Blocks.forward_group); 0: one at a time."""
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
     hs = [mb.h0 for mb in micro_batches]
     for i in range(upto):
         with weights.bound(i):
-            out = []
-            for h, mb in zip(hs, micro_batches):
-                out.append(blocks.forward(i, h, mb.calls[i]))
-                mx.eval(out[-1])
+            out = [None] * len(hs)
+            calls = [mb.calls[i] for mb in micro_batches]
+            for group in sweep_groups(hs, calls, group_tokens):
+                got = blocks.forward_group(i, [hs[j] for j in group], calls[group[0]])
+                for j, h in zip(group, got):
+                    out[j] = h
             hs = out
         if on_block is not None:
             on_block(phase, i)

@@ -158,3 +158,13 @@ def test_resume_mid_run_is_the_uninterrupted_run(models, small_data, tmp_path):
     a = mx.load(str(tmp_path / "full" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "cut" / "adapters.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_the_sweep_works_on_a_group_and_the_plan_counts_it():
+    assert prefix.sweep_group(1, 16, 8) == 8
+    assert prefix.sweep_group(1, 16, 64) == prefix.GROUP_TOKENS // 16
+    assert prefix.sweep_group(4, 1024, 8) == 1  # long batches: one at a time
+    sz = P.Sizes(hidden=64, itemsize=4, vocab=1000, block_per_token=4096, block_len=16, head_chunk_bytes=MB)
+    st = P.Step(num_blocks=8, first_trained=4, footprints=[10 * MB] * 8, rows=1, length=16, batches=1, ahead=8)
+    p = P.evaluate(st, sz, 8, 1, ahead=8)
+    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + sz.forward(8, 16)

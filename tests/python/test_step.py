@@ -556,3 +556,78 @@ def test_blocks_in_several_pages_are_bitwise_mlx_lm(models, tmp_path, arch, bits
     assert_bitwise(grads, pgrads)
     reads = [e[2] for e in sorted(w.pager.take_trace(), key=lambda e: e[6]) if e[0] == "read"]
     assert reads == expected
+
+
+def _sweep(model, w, mbs, group_tokens, blocks):
+    return S._forward_sweep(model, w, mbs, S.first_trained_block(model), None, "forward", blocks, group_tokens)
+
+
+@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
+def test_the_prefix_sweep_groups_micro_batches_with_the_same_bits(models, tmp_path, arch, bits):
+    """Micro-batches of one shape go through a frozen block together
+    (Blocks.forward_group): the first time also one at a time, to compare;
+    then together wherever that gave the same bits. Either way each output
+    is the one the block gives it alone."""
+    path = models(arch, bits, num_hidden_layers=4)
+    (batch,) = batches(path, 1, batch_size=4)
+    model, w = paged(path, 2, "in_place", tmp_path)
+    mbs = S.split_batch(*batch, 4)  # 4 micro-batches of one row, one shape
+    alone = _sweep(model, w, mbs, 0, S.Blocks(model))
+    blocks = S.Blocks(model)
+    first = _sweep(model, w, mbs, 1 << 20, blocks)
+    seen = dict(blocks.grouped)
+    again = _sweep(model, w, mbs, 1 << 20, blocks)
+    assert sorted(i for i, _ in seen) == [0, 1]  # each frozen block compared once
+    assert blocks.grouped == seen  # and not again
+    if mx.default_device() == mx.cpu:
+        assert all(seen.values())  # MLX's CPU kernels give each row the same bits
+    for a, b, c in zip(alone, first, again):
+        assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
+    # at most 2 micro-batches' positions a group: the pairs are compared on their own
+    pairs = S.Blocks(model)
+    tokens = int(mbs[0].inputs.shape[1])
+    got = _sweep(model, w, mbs, 2 * tokens, pairs)
+    assert {len(shapes) for _, shapes in pairs.grouped} == {2}
+    assert all(mx.array_equal(a, b).item() for a, b in zip(alone, got))
+
+
+class _RowMixing(nn.Module):
+    """A block whose rows see each other (a batch statistic): a larger batch
+    changes every row's output."""
+
+    def __call__(self, h, bias=None):
+        h = h - h.mean(axis=0, keepdims=True) + h * 0.5
+        return h if bias is None else h + bias
+
+
+def test_a_block_that_does_not_give_the_same_bits_together_runs_alone():
+    model = types.SimpleNamespace(layers=[_RowMixing()])
+    blocks = S.Blocks(model)
+    hs = [mx.random.normal((2, 4, 8), key=mx.random.key(k)) for k in range(3)]
+    alone = [model.layers[0](h) for h in hs]
+    for _ in range(2):
+        got = blocks.forward_group(0, hs, ((), {}))
+        assert all(mx.array_equal(a, b).item() for a, b in zip(alone, got))
+    assert list(blocks.grouped.values()) == [False]
+    # an argument that fits one micro-batch's rows, not the group's: runs alone,
+    # and the block stays compiled
+    bias = mx.ones((2, 4, 8))
+    got = blocks.forward_group(0, hs, ((bias,), {}))
+    assert all(mx.array_equal(a + bias, b).item() for a, b in zip(alone, got))
+    assert not blocks.uncompiled
+
+
+def test_sweep_groups_need_one_shape_one_call_and_room():
+    h = lambda rows, t=16: mx.zeros((rows, t, 8))  # noqa: E731
+    causal = (("causal",), {"cache": None})
+    mask = lambda v: ((mx.full((16, 16), v),), {})  # noqa: E731
+    # one shape and call: together, up to the positions allowed
+    assert S.sweep_groups([h(1)] * 5, [causal] * 5, 64) == [[0, 1, 2, 3], [4]]
+    # another length, another call, another mask value: apart
+    hs = [h(1), h(1, 32), h(1), h(1), h(1)]
+    calls = [causal, causal, mask(0.0), causal, mask(0.0)]
+    assert S.sweep_groups(hs, calls, 512) == [[0, 3], [1], [2, 4]]
+    assert S.sweep_groups(hs, [mask(0.0), mask(0.0), mask(0.0), mask(1.0), mask(0.0)], 512) == [[0, 2, 4], [1], [3]]
+    # a micro-batch over half the positions allowed, or none allowed: alone
+    assert S.sweep_groups([h(3)] * 3, [causal] * 3, 64) == [[0], [1], [2]]
+    assert S.sweep_groups([h(1)] * 3, [causal] * 3, 0) == [[0], [1], [2]]
