@@ -532,7 +532,8 @@ def estimated_footprint(model: Path) -> int:
 def measured_accesses(r):
     """The row's step as simulate.Access records: its schedule, with each
     access's compute the median over the steps after the first that ran the
-    same schedule (a step's first one differs: it measures the tail)."""
+    same schedule (a step's first one differs: it measures the tail); where
+    the frozen prefix runs ahead, over the windows its figures come from."""
     from mlx_pager import simulate
 
     def accesses(st):
@@ -547,9 +548,13 @@ def measured_accesses(r):
 
     if r.get("window", 1) > 1:
         # A window of the frozen prefix (by_window): its steps' accesses in
-        # turn, one cycle of the schedule.
-        windows = [w["marks"] for w in r["steps"] if w.get("marks")]
-        per_step = [[a for st in w for a in accesses(st)] for w in windows[1:] or windows]
+        # turn, one cycle of the schedule; from the windows the row's figures
+        # come from (steady_indices), as its step time does. (The first
+        # window of several also compares each frozen block's grouped
+        # forward with its batches one at a time, once a run:
+        # step.Blocks.forward_group.)
+        windows = [r["steps"][i]["marks"] for i in steady_indices(r["steps"]) if r["steps"][i].get("marks")]
+        per_step = [[a for st in w for a in accesses(st)] for w in windows]
     else:
         per_step = [accesses(st) for st in r["marks"][1:] or r["marks"]]
     if not per_step:

@@ -172,3 +172,31 @@ def test_a_row_that_reads_nothing_after_its_first_step_is_held_to_the_shapes_rat
     assert bench_train.row_rate(sampled, 2e9) == 1.5e9
     fast = {"steps": [st(1e9, 1.0), st(3e9, 1.0)], "disk_near": 1.5e9}
     assert bench_train.row_rate(fast, 2e9) == 2e9  # never above the shape's R
+
+
+def test_a_windowed_rows_prediction_uses_the_windows_its_figures_do():
+    """The simulator gets a windowed row's compute from the windows its step
+    time comes from (steady_indices), not from the first window of several
+    (slower once a run: the sweep compares grouped and lone forwards)."""
+
+    def step(hold, t0):
+        # block 0 forward, block 1 forward, block 1 backward; no waits
+        marks = [("forward", 0, t0 + hold, 0.0), ("forward", 1, t0 + 2 * hold, 0.0), ("backward", 1, t0 + 3 * hold, 0.0)]
+        return dict(marks=marks, start=(t0, 0.0), end=(t0 + 3 * hold, 0.0), held=False)
+
+    def window(hold, ra):
+        return dict(marks=[step(hold, 0.0), step(hold, 10.0)], readahead=ra, window=[2, 0])
+
+    r = dict(
+        window=2,
+        steps=[dict(marks=[step(1.0, 0.0)], readahead=[2, "c"], window=[1, 0]), window(3.0, [2, "c"]), window(1.0, [4, "a"])],
+        block_pages=[[0], [1]],
+        tail_back_pages=None,
+    )
+    acc = bench_train.measured_accesses(r)
+    assert [a.pages for a in acc] == [(0,), (1,), (1,)] * 2
+    assert all(abs(a.hold_s - 1.0) < 1e-9 for a in acc)
+    # where every window ran as the last did: all of them but the first step
+    r["steps"][1]["readahead"] = [4, "a"]
+    acc = bench_train.measured_accesses(r)
+    assert all(abs(a.hold_s - 2.0) < 1e-9 for a in acc)  # the median of 3 and 1
