@@ -181,7 +181,11 @@ def test_a_windowed_rows_prediction_uses_the_windows_its_figures_do():
 
     def step(hold, t0):
         # block 0 forward, block 1 forward, block 1 backward; no waits
-        marks = [("forward", 0, t0 + hold, 0.0), ("forward", 1, t0 + 2 * hold, 0.0), ("backward", 1, t0 + 3 * hold, 0.0)]
+        marks = [
+            ("forward", 0, t0 + hold, 0.0),
+            ("forward", 1, t0 + 2 * hold, 0.0),
+            ("backward", 1, t0 + 3 * hold, 0.0),
+        ]
         return dict(marks=marks, start=(t0, 0.0), end=(t0 + 3 * hold, 0.0), held=False)
 
     def window(hold, ra):
@@ -189,7 +193,11 @@ def test_a_windowed_rows_prediction_uses_the_windows_its_figures_do():
 
     r = dict(
         window=2,
-        steps=[dict(marks=[step(1.0, 0.0)], readahead=[2, "c"], window=[1, 0]), window(3.0, [2, "c"]), window(1.0, [4, "a"])],
+        steps=[
+            dict(marks=[step(1.0, 0.0)], readahead=[2, "c"], window=[1, 0]),
+            window(3.0, [2, "c"]),
+            window(1.0, [4, "a"]),
+        ],
         block_pages=[[0], [1]],
         tail_back_pages=None,
     )
