@@ -285,8 +285,11 @@ def choose(
     a run does not return).
 
     Of equal cost, one that leaves the pages room for every block (reads
-    nothing) comes first, with the prefix not run ahead (nothing to save);
-    else the one that runs the prefix furthest ahead (fewest reads)."""
+    nothing) comes first; then the one that runs the prefix furthest ahead
+    (fewest reads), or where nothing is read, the one that runs it furthest
+    ahead where that lets the sweep take several batches through a block at
+    once (less compute, prefix.sweep_group), else not ahead (nothing to
+    save)."""
     fits = [p for p in candidates(step, sizes) if p.need <= pool and (page_cap is None or p.pages <= page_cap)]
     for bound in (at_most, ceiling):
         if bound is not None:
@@ -310,7 +313,11 @@ def choose(
         room = pool - p.activations
         return min(room, page_cap) < weights if page_cap is not None else room < weights
 
-    return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
+    def groups(p: Placement) -> bool:
+        rows = -(-step.rows // p.parts)
+        return sweep_group(rows, step.length, p.ahead * step.micro_batches(p.parts)) > 1
+
+    return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) or groups(p) else p.ahead, p.need))
 
 
 def smallest(step: Step, sizes: Sizes) -> Placement:

@@ -31,7 +31,10 @@ nor past the run's last iteration.
 
 Not run ahead (ahead = 1): with no prefix (every block trained), with an
 active dropout in the prefix (its masks would come from other draws), and
-where the pages hold every block (nothing is read to save).
+where the pages hold every block and the window's batches are too long to
+group (nothing is read or computed to save: placement.choose). Where the
+pages hold every block and the batches are short, the prefix still runs
+ahead, for the grouped sweep's compute alone.
 """
 
 from __future__ import annotations

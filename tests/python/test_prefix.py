@@ -66,6 +66,10 @@ def test_placement_counts_the_waiting_outputs_and_prefers_reading_less():
     assert P.choose(st, sz, pool=10**12).ahead == 1
     # the ladder never goes back above where it has been
     assert P.choose(st, sz, pool=40 * MB, ceiling=one).ahead == 1
+    # everything fits but the batches are short: ahead all the same, for the
+    # grouped sweep's compute (8 micro-batches of 16 positions at once)
+    short = P.Step(num_blocks=8, first_trained=4, footprints=[10 * MB] * 8, rows=1, length=16, batches=1, ahead=8)
+    assert P.choose(short, sz, pool=10**12).ahead == 8
 
 
 def test_window_outputs_belong_to_one_split():
