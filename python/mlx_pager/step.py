@@ -890,9 +890,10 @@ def prefix_forward(
 ) -> List[mx.array]:
     """Each micro-batch's input to the first trained block: the frozen
     blocks below it run forward, layer-major (each block read once for all
-    the micro-batches), one micro-batch at a time through the same compiled
-    block functions a step runs, so the outputs are a step's own, bit for
-    bit. The micro-batches may belong to several steps to come (prefix.py):
+    the micro-batches), through the same compiled block functions a step
+    runs; those of one shape together, up to GROUP_TOKENS positions, where
+    that was seen to give each the bits it gets alone (Blocks.forward_group),
+    so the outputs are a step's own, bit for bit. The micro-batches may belong to several steps to come (prefix.py):
     these blocks have no adapters, so their outputs do not depend on the
     updates in between. `on_block("forward", i)` after each block."""
     return _forward_sweep(
