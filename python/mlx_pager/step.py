@@ -893,9 +893,9 @@ def prefix_forward(
     the micro-batches), through the same compiled block functions a step
     runs; those of one shape together, up to GROUP_TOKENS positions, where
     that was seen to give each the bits it gets alone (Blocks.forward_group),
-    so the outputs are a step's own, bit for bit. The micro-batches may belong to several steps to come (prefix.py):
-    these blocks have no adapters, so their outputs do not depend on the
-    updates in between. `on_block("forward", i)` after each block."""
+    so the outputs are a step's own, bit for bit. The micro-batches may
+    belong to several steps to come (prefix.py): these blocks have no
+    adapters, so their outputs do not depend on the updates in between. `on_block("forward", i)` after each block."""
     return _forward_sweep(
         model, weights, micro_batches, first_trained_block(model), on_block, "forward", blocks, GROUP_TOKENS
     )
@@ -908,38 +908,33 @@ def sweep_groups(hs: Sequence[mx.array], calls: Sequence, most_tokens: int) -> L
     `most_tokens` positions a group; in order of their first member.
     most_tokens <= 0: each alone."""
     groups: List[List[int]] = []
-    open_: Dict[tuple, Tuple[List[int], int]] = {}  # key -> (group, its positions)
+    open_: Dict[tuple, List[list]] = {}  # key -> [group, its positions, its call] per open group
     for j, (h, call) in enumerate(zip(hs, calls)):
         tokens = int(h.shape[0] * h.shape[1]) if h.ndim >= 2 else most_tokens + 1
         key = _group_key(h, call) if 0 < 2 * tokens <= most_tokens else None
-        if key is not None and key in open_ and open_[key][1] + tokens <= most_tokens:
-            group, had = open_[key]
-            group.append(j)
-            open_[key] = (group, had + tokens)
-            continue
+        if key is not None:
+            fit = next(
+                (g for g in open_.get(key, ()) if g[1] + tokens <= most_tokens and _same_arrays(g[2], call)), None
+            )
+            if fit is not None:
+                fit[0].append(j)
+                fit[1] += tokens
+                continue
         groups.append([j])
         if key is not None:
-            open_[key] = (groups[-1], tokens)
+            open_.setdefault(key, []).append([groups[-1], tokens, call])
     return groups
 
 
-# An array in a block's call larger than this never lets micro-batches group
-# (its value would be compared element by element).
-_KEY_ELEMENTS = 1 << 16
-
-
-def _group_key(h: mx.array, call) -> Optional[tuple]:
-    """What micro-batches must share to go through a block together: the
-    hidden state's shape after the rows and its dtype, and the call's
-    arguments (an array by its shape, dtype and values). None: never
-    grouped (an array too large to compare)."""
+def _group_key(h: mx.array, call) -> tuple:
+    """What micro-batches must share to go through a block together, less
+    the values of the call's arrays (_same_arrays): the hidden state's
+    shape after the rows and its dtype, and the call's arguments (an array
+    by its shape and dtype)."""
     leaves = []
     for path, v in tree_flatten(call):
         if isinstance(v, mx.array):
-            if v.size > _KEY_ELEMENTS:
-                return None
-            values = v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v
-            leaves.append((path, tuple(v.shape), str(v.dtype), tuple(values.reshape(-1).tolist())))
+            leaves.append((path, tuple(v.shape), str(v.dtype)))
         else:
             try:
                 hash(v)
@@ -947,6 +942,15 @@ def _group_key(h: mx.array, call) -> Optional[tuple]:
             except TypeError:
                 leaves.append((path, repr(v)))
     return (tuple(h.shape[1:]), str(h.dtype), tuple(leaves))
+
+
+def _same_arrays(a, b) -> bool:
+    """Whether two calls of one _group_key hold equal arrays."""
+    return all(
+        mx.array_equal(x, y).item()
+        for (_, x), (_, y) in zip(tree_flatten(a), tree_flatten(b))
+        if isinstance(x, mx.array) and x is not y
+    )
 
 
 def _forward_sweep(
