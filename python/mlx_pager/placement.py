@@ -47,8 +47,7 @@ The predicted peak covers what the budget's pool holds during the step:
   ahead        the prefix's outputs for the steps to come (ahead - 1 steps'
                batches); or, when more, the prefix sweep's own peak (every
                batch's hidden state and the next block's output, and one
-               forward block's working set on a group of micro-batches,
-               prefix.sweep_group)
+               forward block on a group of micro-batches, sweep_block)
 """
 
 from __future__ import annotations
@@ -242,9 +241,19 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
         # step; the sweep itself holds every batch's input and output.
         # Its block works on a group of micro-batches at once (prefix.py).
         group = sweep_group(rows, length, ahead * step.micro_batches(parts))
-        sweep = 2 * ahead * batch_ckpt + sizes.forward(group * rows, length)
+        sweep = 2 * ahead * batch_ckpt + sweep_block(sizes, rows, length, group)
         activations = max(activations + waiting, sweep)
     return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting)
+
+
+def sweep_block(sizes: Sizes, rows: int, length: int, group: int) -> int:
+    """One forward-only block of a sweep working on `group` micro-batches of
+    `rows` x `length` at once (step.Blocks.forward_group): the block's
+    working set on all their rows (its output included), and, for a group,
+    their inputs concatenated into one (the micro-batches' own hidden states
+    are the caller's to count)."""
+    concatenated = group * sizes.checkpoint(rows, length) if group > 1 else 0
+    return sizes.forward(group * rows, length) + concatenated
 
 
 # Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module

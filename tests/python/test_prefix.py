@@ -171,4 +171,5 @@ def test_the_sweep_works_on_a_group_and_the_plan_counts_it():
     sz = P.Sizes(hidden=64, itemsize=4, vocab=1000, block_per_token=4096, block_len=16, head_chunk_bytes=MB)
     st = P.Step(num_blocks=8, first_trained=4, footprints=[10 * MB] * 8, rows=1, length=16, batches=1, ahead=8)
     p = P.evaluate(st, sz, 8, 1, ahead=8)
-    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + sz.forward(8, 16)
+    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + sz.forward(8, 16) + 8 * sz.checkpoint(1, 16)
+    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + P.sweep_block(sz, 1, 16, 8)
