@@ -396,15 +396,22 @@ class Session:
         return self.plan.fixed_without_activations - self.plan.margin + p.activations + pages
 
     def eval_group(self) -> int:
-        """Micro-batches a forward-only sweep can carry together in the
-        activations reserved: each keeps its hidden state and the next
-        block's output, besides one block's working set. At most 8 batches'
-        worth."""
-        rows = -(-self.args.batch_size // self.parts)
-        per = 2 * self.sizes.checkpoint(rows, self.seq_len)
-        room = self.plan.activations - self.sizes.block(rows, self.seq_len)
+        """Micro-batches a forward-only sweep (evaluation) carries together
+        in the activations reserved: each keeps its hidden state and the
+        next block's output, besides the larger of one forward block's
+        working set, which works on as many of them at once as
+        prefix.sweep_group puts together (placement.sweep_block), and the
+        head's loss for one. At most 8 batches' worth (or a step's); at
+        least 1."""
+        rows, length = -(-self.args.batch_size // self.parts), self.seq_len
+        per = 2 * self.sizes.checkpoint(rows, length)
+        head = self.sizes.head(rows, length)
         most = max(8, self.args.grad_accumulation_steps) * self.parts
-        return int(max(1, min(most, room // max(1, per))))
+        for n in range(most, 1, -1):
+            together = prefix.sweep_group(rows, length, n)
+            if n * per + max(head, placement.sweep_block(self.sizes, rows, length, together)) <= self.plan.activations:
+                return n
+        return 1
 
     def use_forward_schedule(self):
         """The pager's access order: forward sweeps only (evaluation)."""

@@ -987,6 +987,10 @@ def paged_loss(
     on_block=None,
     blocks: Optional[Blocks] = None,
 ):
-    """Forward only (evaluation): losses and token counts per micro-batch."""
-    hs = _forward_sweep(model, weights, micro_batches, len(model.layers), on_block, "eval", blocks)
+    """Forward only (evaluation): losses and token counts per micro-batch,
+    mlx-lm's bit for bit. The blocks sweep layer-major; micro-batches of one
+    shape go through a block together, up to GROUP_TOKENS positions, where
+    that gives each its own bits (Blocks.forward_group), as the frozen
+    prefix's sweep does."""
+    hs = _forward_sweep(model, weights, micro_batches, len(model.layers), on_block, "eval", blocks, GROUP_TOKENS)
     return [(head_loss(model, mb, h, head_chunk_bytes), mb.ntoks) for h, mb in zip(hs, micro_batches)]

@@ -6,8 +6,13 @@ process's baseline)."""
 import re
 import subprocess
 import sys
+import types
 
 from conftest import SAMPLE
+
+from mlx_pager import placement as P
+from mlx_pager import prefix
+from mlx_pager.session import Session
 
 
 def minimum(model, tmp_path, cache):
@@ -115,3 +120,40 @@ def test_page_parts_auto_follows_the_planned_page_budget(models, tmp_path):
     # their pages fit beside another block, streamed through a block's room.
     assert roomy.steps[-1]["tail_held"] and roomy.steps[-1]["recomputed_blocks"] == 0
     assert not tight.steps[-1]["tail_held"]
+
+
+def test_evaluation_groups_as_many_batches_as_the_grouped_block_leaves_room_for():
+    """Session.eval_group: each batch keeps two hidden states, and one
+    forward block works on a group of them at once (placement.sweep_block):
+    that block, measured forward-only, decides how many go in a sweep (not a
+    recomputed block's forward and vjp, which evaluation never runs)."""
+    sz = P.Sizes(hidden=64, itemsize=4, vocab=1000, block_per_token=4096, block_len=16, head_chunk_bytes=1 << 10)
+    rows, length = 1, 16
+
+    def group(activations, accumulate=1):
+        s = types.SimpleNamespace(
+            args=types.SimpleNamespace(batch_size=rows, grad_accumulation_steps=accumulate),
+            parts=1,
+            seq_len=length,
+            sizes=sz,
+            plan=types.SimpleNamespace(activations=activations),
+        )
+        return Session.eval_group(s)
+
+    def needs(n):
+        together = prefix.sweep_group(rows, length, n)
+        work = max(sz.head(rows, length), P.sweep_block(sz, rows, length, together))
+        return n * 2 * sz.checkpoint(rows, length) + work
+
+    # unmeasured, the forward is sized as a recomputed block
+    assert needs(8) > sz.block(rows, length) + 8 * 2 * sz.checkpoint(rows, length)  # the group's block is larger
+    assert group(needs(8)) == 8
+    assert group(needs(8) - 1) == 7
+    assert group(needs(3)) == 3
+    assert group(0) == 1  # at least one
+    assert group(1 << 40, accumulate=16) == 16  # as many as a step's batches
+    # measured: a forward-only block, smaller than a recomputed one, leaves room for more
+    sz.block_fixed = 1 << 30
+    sz.learn({"forward": (64 * 1024, rows, length)})
+    assert sz.block(rows, length) > 1 << 30
+    assert group(needs(8)) == 8 and needs(8) < 1 << 20

@@ -163,6 +163,28 @@ def test_paged_eval_loss_equals_mlx_lm(models, tmp_path):
         assert loss.item() == l.item() and toks.item() == n.item()
 
 
+def test_paged_eval_groups_micro_batches_and_keeps_mlx_lm_losses(models, tmp_path):
+    """Evaluation's sweep puts micro-batches of one shape through a block
+    together (Blocks.forward_group), after one comparison per block and
+    shape: each micro-batch's loss is still mlx-lm's on its rows, bit for bit."""
+    path = models("llama", None, num_hidden_layers=3)
+    (batch,) = batches(path, 1, batch_size=4)
+    ref = reference(path, 2)
+    model, w = paged(path, 2, "in_place", tmp_path)
+    rows = S.split_batch(*batch, 4, shared_norm=False)  # 4 micro-batches of one row, one shape
+    expected = [default_loss(ref, *(x[r : r + 1] for x in batch)) for r in range(4)]
+    blocks = S.Blocks(model)
+    for run in range(2):  # the first run compares; the second runs grouped
+        got = S.paged_loss(model, w, rows, head_chunk_bytes=30_000, blocks=blocks)
+        for (loss, toks), (l, n) in zip(got, expected):
+            assert loss.item() == l.item() and toks.item() == n.item()
+        if run == 0:
+            assert sorted(i for i, _ in blocks.grouped) == [0, 1, 2]  # every block, once
+            assert all(len(shapes) > 1 for _, shapes in blocks.grouped)  # grouped, not alone
+            if mx.default_device() == mx.cpu:
+                assert all(blocks.grouped.values())
+
+
 def test_a_block_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
     """dbrx's router evaluates arrays inside the block, which mx.compile
     refuses: step.Blocks remembers that and runs the block uncompiled, with
