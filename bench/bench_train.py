@@ -580,22 +580,30 @@ def settings_label(settings) -> str:
     return f"ra {depth:g} {mode[:4]}" + ("" if policy == "optimal" else f" {policy}")
 
 
-def min_over_steps(accesses, footprints, budgets, price: float = 1.0):
-    """MIN's pages and bytes a step, at each step's own page budget (the plan
-    may move it between steps), averaged as a row's reads are (a mean over
-    the same steps: `med`), so a step at a smaller budget counts on both
-    sides. (A median here against the reads' mean put `pager @mlx-lm` at
-    1.38x MIN, its budget 120/138/129/127 MB over four steps: reads
-    4/3/2/2, MIN 4/2/2/2.) Bytes: each page MIN reads priced at its
-    footprint times `price` (what a read transfers per byte of footprint),
-    the bytes of the pages it reads, not of as many mean pages: a 4-bit
-    model's blocks differ by up to 40%."""
+def min_over_steps(accesses, footprints, budgets, price: float = 1.0, counted=None):
+    """MIN's pages and bytes a step, living through the row's budgets:
+    `budgets` holds each step's page budget from the run's first step on (the
+    plan may move it between steps), and MIN runs through them in order
+    (simulate.min_reads_by_step, each step `accesses`, two more of future at
+    the last budget), so a step right after the budget grew pays for filling
+    the room, as the pager's did. Averaged over the `counted` steps (default:
+    all) as a row's reads are (a mean over the same steps: `med`).
+    (Before, MIN was each counted step's steady state at its own budget:
+    `pager @mlx-lm` of the compute shape, its budget 142/118/116/116 MB over
+    the four steps counted, read 50/69/69/69 MB, what MIN through those
+    budgets reads, and came out 1.25x a MIN that never filled the room.)
+    Bytes: each page MIN reads priced at its footprint times `price` (what a
+    read transfers per byte of footprint), the bytes of the pages it reads,
+    not of as many mean pages: a 4-bit model's blocks differ by up to 40%."""
     from mlx_pager import simulate
 
-    priced = [f * price for f in footprints]
-    pages = {b: simulate.min_pages_per_step(accesses, footprints, b, steps=8, warmup=2) for b in set(budgets)}
-    nbytes = {b: simulate.min_bytes_per_step(accesses, footprints, b, priced, steps=8, warmup=2) for b in set(budgets)}
-    return statistics.mean(pages[b] for b in budgets), statistics.mean(nbytes[b] for b in budgets)
+    budgets = list(budgets)
+    counted = list(range(len(budgets))) if counted is None else list(counted)
+    order = [p for a in accesses for p in a.pages]
+    steps = len(budgets) + 2
+    pages = simulate.min_reads_by_step(order, footprints, budgets, steps)
+    nbytes = simulate.min_reads_by_step(order, footprints, budgets, steps, [f * price for f in footprints])
+    return statistics.mean(pages[i] for i in counted), statistics.mean(nbytes[i] for i in counted)
 
 
 def read_price(r, accesses, settings) -> float:
@@ -644,8 +652,9 @@ def pager_figures(r, R, read_rate, compute):
         raise RuntimeError(f"{r['report']}: no complete training step was recorded")
     depth, mode, policy = r["settings"]  # depth in blocks (--readahead)
     settings = simulate.Settings(round(depth * pages_per_block(r)), mode, policy)
-    budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in steady_steps(r["steps"])]
-    min_pages, min_bytes = min_over_steps(acc, fp, budgets, read_price(r, acc, settings))
+    budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in r["steps"]]
+    counted = steady_indices(r["steps"])
+    min_pages, min_bytes = min_over_steps(acc, fp, budgets, read_price(r, acc, settings), counted)
     pred = simulate.simulate(
         acc,
         fp,

@@ -112,14 +112,18 @@ class Prediction:
 
 
 # ------------------------------------------------------------------ MIN ----
-def min_reads_by_step(order: Sequence[int], footprints, budget: int, steps: int, weights=None) -> List[float]:
+def min_reads_by_step(order: Sequence[int], footprints, budget, steps: int, weights=None) -> List[float]:
     """Pages Belady's MIN reads in each of `steps` repetitions of `order`
     (the page of each access of one step), pages charged their own
     footprints against a byte budget (evict the furthest next use until the
     page fits), as the pager charges them. Pages not used again are evicted
     first, as the pager's cyclic schedule never says "never"; the last step
     sees no future beyond itself. `weights`: each page's read counts its
-    weight instead of 1 (its read bytes: the bytes of the pages MIN reads)."""
+    weight instead of 1 (its read bytes: the bytes of the pages MIN reads).
+    `budget`: bytes, or one per step (the plan may move it between steps;
+    the last holds for the steps after): where it shrinks, MIN evicts the
+    furthest next uses first; where it grows, the room fills as MIN reads."""
+    budgets = list(budget) if isinstance(budget, (list, tuple)) else [budget]
     seq = list(order) * steps
     nxt, last = [0] * len(seq), {}
     for t in range(len(seq) - 1, -1, -1):
@@ -128,13 +132,19 @@ def min_reads_by_step(order: Sequence[int], footprints, budget: int, steps: int,
     cache, used, per = {}, 0, [0] * steps
     S = max(1, len(order))
     for t, pg in enumerate(seq):
+        cap = budgets[min(t // S, len(budgets) - 1)]
         if pg not in cache:
             per[t // S] += 1 if weights is None else weights[pg]
-            while cache and used + footprints[pg] > budget:
+            while cache and used + footprints[pg] > cap:
                 victim = max(cache, key=cache.get)
                 used -= footprints[victim]
                 del cache[victim]
             used += footprints[pg]
+        else:
+            while used > cap and len(cache) > 1:  # the budget shrank: room, keeping the page in use
+                victim = max((p for p in cache if p != pg), key=cache.get)
+                used -= footprints[victim]
+                del cache[victim]
         cache[pg] = nxt[t]
     return per
 

@@ -17,25 +17,49 @@ def palindrome(blocks):
     return [simulate.Access([p], 0.01, 0.0) for p in order]
 
 
-def test_min_follows_each_steps_budget_averaged_as_the_reads_are():
+def test_min_at_one_budget_is_its_steady_state():
     acc, fp = palindrome(8), [100] * 8
-    small, large = 650, 750  # 6 and 7 pages
+    for budget in (650, 750):  # 6 and 7 pages
+        steady = simulate.min_pages_per_step(acc, fp, budget, steps=8, warmup=2)
+        pages, nbytes = bench_train.min_over_steps(acc, fp, [budget] * 6, counted=[2, 3, 4, 5])
+        assert pages == steady and nbytes == 100 * steady
+
+
+def test_min_lives_through_the_budgets_the_plan_moved():
+    """MIN runs through each step's budget in order: right after the budget
+    grew it reads to fill the room (a steady state at the larger budget
+    never pays that), and where it shrank it evicts."""
+    acc, fp = palindrome(8), [100] * 8
+    small, large = 650, 750
     at_small = simulate.min_pages_per_step(acc, fp, small, steps=8, warmup=2)
     at_large = simulate.min_pages_per_step(acc, fp, large, steps=8, warmup=2)
     assert at_small > at_large
-    pages, nbytes = bench_train.min_over_steps(acc, fp, [small, large, large, large])
-    # The mean, as a row's reads are averaged: the step at the smaller budget
-    # counts (a median would give at_large and blame the policy for it).
-    assert pages == (at_small + 3 * at_large) / 4
-    assert nbytes == 100 * pages
-    assert bench_train.min_over_steps(acc, fp, [large] * 3) == (at_large, 100 * at_large)
+    per = simulate.min_reads_by_step([p for a in acc for p in a.pages], fp, [small, small, large, large, large], 7)
+    assert per[2] > at_large and per[3:5] == [at_large] * 2  # the step after it grew fills the room
+    pages, _ = bench_train.min_over_steps(acc, fp, [small, small, large, large, large], counted=[2, 3, 4])
+    assert pages == (per[2] + 2 * at_large) / 3
+    down = simulate.min_reads_by_step([p for a in acc for p in a.pages], fp, [large, large, small, small], 6)
+    assert down[2:4] == [at_small] * 2  # it shrank: MIN's steady state at the smaller one from then on
+
+
+def test_min_through_the_budgets_of_the_compute_shapes_pager_at_mlx_lm():
+    """The row that showed it (77e86ba's full run): `pager @mlx-lm`, the
+    compute shape's 8 blocks forward and back, its budget 89 / 90 / 142 /
+    118 / 116 / 116 MB a step. It read 50.4 / 69.3 / 69.3 / 69.3 MB in the
+    four steps counted; MIN at each one's budget in a steady state, 51.7 MB
+    a step (1.25x); MIN through those budgets reads what the pager did."""
+    fp = [17883136, 17887232, 16850944, 18915328, 17903616, 16842752, 16846848, 16822272]
+    budgets = [88795398, 90207444, 141791844, 117991772, 115841055, 115841055]
+    _, nbytes = bench_train.min_over_steps(palindrome(8), fp, budgets, counted=[2, 3, 4, 5])
+    read = (50423787 + 3 * 69322731) / 4
+    assert 0.99 <= read / nbytes <= 1.01
 
 
 def test_min_bytes_are_the_pages_min_reads_at_what_a_read_transfers():
     # Page 2 is used every other access and stays: MIN reads pages 0 and 1.
     acc = [simulate.Access([p], 0.01, 0.0) for p in (0, 2, 1, 2)]
     fp = [1000, 1000, 100]
-    pages, nbytes = bench_train.min_over_steps(acc, fp, [2000], price=0.99)
+    pages, nbytes = bench_train.min_over_steps(acc, fp, [2000] * 4, price=0.99, counted=[1, 2, 3])
     assert pages == 2 and nbytes == 2 * 1000 * 0.99
 
 
