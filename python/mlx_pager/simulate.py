@@ -665,7 +665,8 @@ def offline_best(
     steps: int = 6,
     warmup: int = 2,
     width: int = 1000,
-) -> Offline:
+    max_bytes: Optional[float] = None,
+) -> Optional[Offline]:
     """How fast a step can run under the budget with ANY choice of what to
     evict and when, not only the pager's rules: a beam search over eviction
     schedules, the yardstick the bound max(MIN's bytes / R, compute) is not.
@@ -687,10 +688,18 @@ def offline_best(
     state: the mean over the steps after `warmup` of the fastest run of
     `steps` steps. With one page per access a wider beam finds nothing
     faster (tests/python/test_simulate.py); with several (blocks in parts)
-    victims combine and the beam cuts: the best found, not the best."""
+    victims combine and the beam cuts: the best found, not the best.
+
+    `max_bytes`: only schedules that read at most that many bytes a step
+    (the mean over the steps after `warmup`), e.g. (1 + DEFAULT_EXTRA_READS)
+    x MIN's, the most the pager's own choice may read. A schedule is then
+    also kept beside a faster one that reads more; None where the beam
+    holds no schedule within it."""
     rb = list(read_bytes) if read_bytes is not None else list(footprints)
     seq = [a for _ in range(steps) for a in accesses]
     per_step = len(accesses)
+    # The bytes the counted steps may read in all (a little slack for sums).
+    cap = None if max_bytes is None else max_bytes * max(1, steps - warmup) * (1 + 1e-9) + 1
     # A schedule so far: (time its last access ended, time the disk is free,
     # bytes charged, ((page, end of its last access), ...) sorted, reads,
     # bytes read, latest read of the current access, (time, reads, bytes)
@@ -746,6 +755,8 @@ def offline_best(
                 mem[q] = t
             if k + 1 == warmup * per_step:
                 mark = (t, n, nb)
+            if cap is not None and k + 1 > warmup * per_step and nb - mark[2] > cap:
+                continue  # read more over the counted steps than they may
             fin.append((t, disk, charged, tuple(sorted(mem.items())), n, nb, 0.0, mark))
         fin.sort(key=lambda s: (s[0], s[1]))
         kept: Dict[tuple, list] = {}
@@ -753,13 +764,31 @@ def offline_best(
         for s in fin:
             key = tuple(q for q, _ in s[3])
             lasts = [t for _, t in s[3]]
+            # Under a cap on bytes, fewer bytes read is one more way to be ahead.
+            spent = s[5] - s[7][2] if cap is not None else 0
             group = kept.setdefault(key, [])
-            if any(e <= s[0] and d <= s[1] and all(x <= y for x, y in zip(ls, lasts)) for e, d, ls in group):
+            if any(
+                e <= s[0] and d <= s[1] and b <= spent and all(x <= y for x, y in zip(ls, lasts))
+                for e, d, b, ls in group
+            ):
                 continue
-            group.append((s[0], s[1], lasts))
+            group.append((s[0], s[1], spent, lasts))
             beam.append(s)
-            if len(beam) >= width:
+            if len(beam) >= width and cap is None:
                 break
+        if cap is not None and len(beam) > width:
+            # Half the beam the earliest, half the cheapest: the fastest
+            # schedules alone can all end up over the cap, with the ones
+            # that keep it cut long before.
+            cheap = sorted(beam, key=lambda s: (s[5] - s[7][2], s[0]))
+            picked = {id(s): s for s in beam[: width - width // 2]}
+            for s in cheap:
+                if len(picked) >= width:
+                    break
+                picked.setdefault(id(s), s)
+            beam = sorted(picked.values(), key=lambda s: (s[0], s[1]))
+        if not beam:
+            return None  # every schedule the beam held read more than max_bytes
     best = min(beam, key=lambda s: s[0])
     t0, n0, b0 = best[7]
     m = max(1, steps - warmup)

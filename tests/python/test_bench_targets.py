@@ -19,7 +19,7 @@ def paged(config, **kw):
     return row
 
 
-def summary(read_50=(1.05, 1.07), opt_50=(1.0, 1.0), naive_compute=(1.5, 1.4), pairs=(1.0, 0.99, 0.97)):
+def summary(read_50=(1.05, 1.07), opt_50=(1.0, 1.0), naive_compute=(1.5, 1.4), pairs=(1.0, 0.99, 0.97), capped_50=None):
     return {
         "compute": {
             "weights_bytes": 1.4e8,
@@ -35,7 +35,18 @@ def summary(read_50=(1.05, 1.07), opt_50=(1.0, 1.0), naive_compute=(1.5, 1.4), p
             "rows": [paged("pager 50%", vs_belady=1.04), paged("pager 0.68GB cap", vs_belady=1.4)],
             "twice": {
                 "pager 50%": twice(
-                    vs_bound=read_50, optimum_vs_bound=opt_50, vs_optimum=tuple(a / b for a, b in zip(read_50, opt_50))
+                    vs_bound=read_50,
+                    optimum_vs_bound=opt_50,
+                    vs_optimum=tuple(a / b for a, b in zip(read_50, opt_50)),
+                    **(
+                        dict(
+                            optimum_bytes_vs_min=(1.2, 1.2),
+                            optimum_capped_vs_bound=capped_50,
+                            vs_optimum_capped=tuple(a / b for a, b in zip(read_50, capped_50)),
+                        )
+                        if capped_50
+                        else {}
+                    ),
                 ),
                 "pager 10%": twice(vs_bound=(1.08, 1.1), vs_naive=(1.3, 1.5)),
             },
@@ -67,6 +78,29 @@ def test_a_missed_target_is_missed_and_says_when_no_schedule_reaches_it():
     assert read.status == "MISSED" and "out of reach" not in read.figure
     goals = {t.name: t for t in targets.check(summary(naive_compute=(1.2, 1.3)))}
     assert goals["compute-bound, every budget >= 1.3x naive streaming"].status == "MISSED"
+
+
+def test_where_the_fastest_schedule_reads_over_the_bytes_target_the_row_is_held_to_the_fastest_within_it():
+    """The read shape at 50%: the fastest eviction schedule reads 1.2x MIN's
+    bytes, more than the bytes target lets the pager read; the line says so
+    and gives the fastest schedule within it, and whether that reaches the
+    target."""
+    goals = {
+        t.name: t for t in targets.check(summary(read_50=(1.15, 1.17), opt_50=(1.03, 1.05), capped_50=(1.14, 1.16)))
+    }
+    read = goals["read-bound, 50% <= 1.1x the bound"]
+    assert read.status == "MISSED"
+    assert "opt s) is 1.04x the bound, reading 1.20x MIN's bytes" in read.figure
+    assert (
+        "within the bytes target (<= 1.1x MIN) the fastest the search finds is 1.15x the bound (out of reach"
+        in read.figure
+    )
+    assert "the row 1.01x it" in read.figure
+    goals = {
+        t.name: t for t in targets.check(summary(read_50=(1.15, 1.17), opt_50=(1.03, 1.05), capped_50=(1.06, 1.08)))
+    }
+    read = goals["read-bound, 50% <= 1.1x the bound"]
+    assert read.status == "MISSED" and "the fastest the search finds is 1.07x the bound, and the row" in read.figure
 
 
 def test_targets_whose_rows_did_not_run_say_so():

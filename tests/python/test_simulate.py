@@ -548,6 +548,32 @@ def test_offline_best_is_the_fastest_any_policy_gets_and_a_wider_search_finds_no
         assert opt.step_s <= best.step_s * (1 + 1e-9)
 
 
+def test_offline_best_within_a_byte_cap_keeps_it_and_no_policy_that_keeps_it_is_faster():
+    """Where the fastest schedule reads more than 1.10x MIN's bytes (the
+    most the pager's own choice reads), the search under that cap: its
+    schedule keeps the cap, is no faster than the uncapped one, and no
+    policy of the simulator that keeps the cap runs a step faster. A cap
+    under MIN's bytes holds no schedule."""
+    rng = random.Random(5)
+    done = 0
+    while done < 5:
+        acc, fp, budget, disk = random_instance(rng)
+        if len(fp) > 8:
+            continue  # time: the search grows with the pages in memory
+        mn = sim.min_bytes_per_step(acc, fp, budget)
+        opt = sim.offline_best(acc, fp, budget, disk.rate, width=500)
+        if opt.bytes_read <= 1.1 * mn:
+            continue
+        done += 1
+        capped = sim.offline_best(acc, fp, budget, disk.rate, width=500, max_bytes=1.1 * mn)
+        assert capped.bytes_read <= 1.1 * mn * (1 + 1e-9) + 1
+        assert capped.step_s >= opt.step_s * (1 - 1e-9)
+        best = sim.best_settings(acc, fp, budget, disk, max_extra=0.10, policies=("optimal", "lru"))
+        assert best.bytes_read <= 1.1 * mn + 1
+        assert capped.step_s <= best.step_s * (1 + 1e-9)
+        assert sim.offline_best(acc, fp, budget, disk.rate, width=100, max_bytes=0.5 * mn) is None
+
+
 def test_the_bound_can_be_out_of_reach_where_the_policy_is_not():
     """The read shape at half its blocks (8 blocks of 207 MB at 2 GB/s, 17 ms
     forward, 50 ms backward with recompute over the last 4): MIN keeps 3
