@@ -420,6 +420,7 @@ def worker_pager(cfg):
         else min(p.page_budget, cfg["page_budget"] or p.page_budget),
         "page_footprint": p.max_page,
         "page_footprints": res.page_footprints,
+        "page_read_bytes": res.page_read_bytes,
         "block_pages": [list(p) for p in res.block_pages],
         "tail_back_pages": [list(p) for p in res.tail_back_pages],
         "report": str(report),
@@ -584,7 +585,7 @@ def settings_label(settings) -> str:
     return f"ra {depth:g} {mode[:4]}" + ("" if policy == "optimal" else f" {policy}")
 
 
-def min_over_steps(accesses, footprints, budgets, price: float = 1.0, counted=None):
+def min_over_steps(accesses, footprints, budgets, read_bytes=None, counted=None):
     """MIN's pages and bytes a step, living through the row's budgets:
     `budgets` holds each step's page budget from the run's first step on (the
     plan may move it between steps), and MIN runs through them in order
@@ -596,37 +597,24 @@ def min_over_steps(accesses, footprints, budgets, price: float = 1.0, counted=No
     `pager @mlx-lm` of the compute shape, its budget 142/118/116/116 MB over
     the four steps counted, read 50/69/69/69 MB, what MIN through those
     budgets reads, and came out 1.25x a MIN that never filled the room.)
-    Bytes: each page MIN reads priced at its footprint times `price` (what a
-    read transfers per byte of footprint), the bytes of the pages it reads,
-    not of as many mean pages: a 4-bit model's blocks differ by up to 40%."""
+    Bytes: each page MIN reads counts what its read transfers, `read_bytes`
+    (the row's page_read_bytes; default: its footprint): the bytes of the
+    pages MIN reads, not of as many mean pages, as a 4-bit model's blocks
+    differ by up to 40%. (Before, a page counted its footprint times the
+    row's read bytes per footprint byte over the pages a replay read: where
+    one page a window is read and which one turns from window to window, as
+    in q4 at 100%, the replay's pages were not the row's and MIN came out
+    11% low; the row had read exactly MIN's page.)"""
     from mlx_pager import simulate
 
     budgets = list(budgets)
     counted = list(range(len(budgets))) if counted is None else list(counted)
     order = [p for a in accesses for p in a.pages]
     steps = len(budgets) + 2
+    weights = list(footprints) if read_bytes is None else list(read_bytes)
     pages = simulate.min_reads_by_step(order, footprints, budgets, steps)
-    nbytes = simulate.min_reads_by_step(order, footprints, budgets, steps, [f * price for f in footprints])
+    nbytes = simulate.min_reads_by_step(order, footprints, budgets, steps, weights)
     return statistics.mean(pages[i] for i in counted), statistics.mean(nbytes[i] for i in counted)
-
-
-def read_price(r, accesses, settings) -> float:
-    """What the row's reads transferred per byte of footprint: its mean read
-    over the mean footprint of the pages the same schedule reads in the
-    simulator (reads run a little under footprints; the pages read are not
-    a fair sample of all pages, so the mean footprint of all would price
-    MIN's pages 1% low in the q4 shape); 1 where it read nothing."""
-    from mlx_pager import simulate
-
-    steps = steady_steps(r["steps"])
-    pages, nbytes = sum(s["pages_read"] for s in steps), sum(s["bytes_read"] for s in steps)
-    if not pages:
-        return 1.0
-    fp = r["page_footprints"]
-    replay = simulate.simulate(accesses, fp, r["page_budget"], simulate.Disk(1e9, IO_THREADS), settings)
-    if not replay.pages_read:
-        return 1.0
-    return (nbytes / pages) / (replay.bytes_read / replay.pages_read)
 
 
 def pager_figures(r, R, read_rate, compute):
@@ -650,22 +638,21 @@ def pager_figures(r, R, read_rate, compute):
         else None
     )
     compute = min(c for c in (compute, own) if c is not None) if (compute, own) != (None, None) else 0.0
-    total_pages = sum(s["pages_read"] for s in r["steps"])
-    page_read = sum(s["bytes_read"] for s in r["steps"]) / total_pages if total_pages else statistics.mean(fp)
+    rb = r["page_read_bytes"]  # what each page's read transfers
     if not acc:
         raise RuntimeError(f"{r['report']}: no complete training step was recorded")
     depth, mode, policy = r["settings"]  # depth in blocks (--readahead)
     settings = simulate.Settings(round(depth * pages_per_block(r)), mode, policy)
     budgets = [s.get("page_budget_bytes", r["page_budget"]) for s in r["steps"]]
     counted = steady_indices(r["steps"])
-    min_pages, min_bytes = min_over_steps(acc, fp, budgets, read_price(r, acc, settings), counted)
+    min_pages, min_bytes = min_over_steps(acc, fp, budgets, rb, counted)
     pred = simulate.simulate(
         acc,
         fp,
         r["page_budget"],
         simulate.Disk(read_rate, IO_THREADS),
         settings,
-        read_bytes=[page_read] * len(fp),
+        read_bytes=rb,
     )
     # The fastest step any eviction schedule gets under the budget at R
     # (simulate.offline_best), where blocks are whole pages: the search is
@@ -674,7 +661,6 @@ def pager_figures(r, R, read_rate, compute):
     # of the read shape ran 0.82x the schedule it found.
     opt = capped = over = None  # over: opt's bytes over MIN's (the pages priced alike), where over the cap
     if pages_per_block(r) == 1 and all(len(a.pages) == 1 for a in acc):
-        rb = [page_read] * len(fp)
         opt = simulate.offline_best(acc, fp, r["page_budget"], R, read_bytes=rb, width=OPT_WIDTH)
         # The fastest schedule may read more than the bytes target lets a
         # policy (1.10x MIN's, the cap on the pager's own choice): then also
@@ -1085,9 +1071,11 @@ def bench_one(name, shape, a, out_dir):
                 # What the row's figures were simulated from, so that a row
                 # can be simulated again offline (other settings, a policy
                 # change): its step as [pages, hold_s, gap_s] per access,
-                # the pages' footprints and the rate its reads got.
+                # the pages' footprints, what each one's read transfers and
+                # the rate its reads got.
                 accesses=[[list(a.pages), a.hold_s, a.gap_s] for a in fig["accesses"]],
                 page_footprints=list(r["page_footprints"]),
+                page_read_bytes=list(r["page_read_bytes"]),
                 read_Bps=got,
                 report=r.get("report"),
                 governor=r.get("governor"),

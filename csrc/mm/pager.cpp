@@ -154,6 +154,16 @@ const PageSpec& Pager::spec(PageId id) const {
   return table_.at(id).spec;  // specs never change once registered
 }
 
+std::uint64_t Pager::read_bytes(PageId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::uint64_t n = 0;
+  for (const Extent& x : table_.at(id).spec.extents) {
+    std::uint64_t size = table_.file(x.file).size();
+    n += x.file_offset < size ? std::min(x.length, size - x.file_offset) : 0;
+  }
+  return n;
+}
+
 PageState Pager::state(PageId id) const {
   std::lock_guard<std::mutex> lock(mu_);
   return table_.at(id).state;

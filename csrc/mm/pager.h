@@ -146,6 +146,11 @@ class Pager {
   PageId lookup(const std::string& name) const;
   std::size_t num_pages() const;
   const PageSpec& spec(PageId id) const;
+  // Bytes one read of the page transfers: its extents, each up to its
+  // file's end (a direct read stops there). What stats().bytes_read grows by
+  // for each read of the page, re-reads after a failed check aside; less
+  // than spec.frame_bytes, which also holds the alignment padding.
+  std::uint64_t read_bytes(PageId id) const;
   PageState state(PageId id) const;
   IoMode file_mode(FileId id) const;
 

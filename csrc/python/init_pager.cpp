@@ -278,6 +278,10 @@ void init_pager(nb::module_& m) {
           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; },
           "page"_a, "Bytes of the page's frame in memory.")
       .def(
+          "page_read_bytes",
+          [](const TensorPager& tp, PageId id) { return tp.pager().read_bytes(id); },
+          "page"_a, "Bytes one read of the page transfers (Pager::read_bytes).")
+      .def(
           "stats",
           [](const TensorPager& tp) {
             nb::dict d = stats_dict(tp.pager().stats());

@@ -104,9 +104,11 @@ class Session:
     blocks: step.Blocks
     first_trained: int
     # The pages as the simulator sees them (simulate.py): page n is
-    # weights.page_order[n], charged page_footprints[n]; block i's pages in
-    # use order, and those a streamed tail reads again for its backward.
+    # weights.page_order[n], charged page_footprints[n], its read moving
+    # page_read_bytes[n]; block i's pages in use order, and those a streamed
+    # tail reads again for its backward.
     page_footprints: List[int]
+    page_read_bytes: List[int]
     block_pages: List[Tuple[int, ...]]
     tail_back_pages: List[Tuple[int, ...]]
     seq_len: int  # the longest padded batch the data can make
@@ -478,10 +480,12 @@ def estimated_page_budget(args, model, config, seq_len: int, baseline: int, outs
 
 
 def simulated_pages(weights: PagedWeights) -> dict:
-    """Session's page_footprints, block_pages and tail_back_pages."""
+    """Session's page_footprints, page_read_bytes, block_pages and
+    tail_back_pages."""
     index = {pid: n for n, pid in enumerate(weights.page_order)}
     return dict(
         page_footprints=[weights.page_footprint(p) for p in weights.page_order],
+        page_read_bytes=[weights.page_read_bytes(p) for p in weights.page_order],
         block_pages=[tuple(index[p] for p in pages) for pages in weights.block_pages],
         tail_back_pages=[tuple(index[p] for p in stream.backward_pages(weights, i)) for i in range(weights.num_blocks)],
     )

@@ -424,6 +424,11 @@ class PagedWeights:
 
         return self.pager.page_bytes(pid) + int(IO_ALIGN)
 
+    def page_read_bytes(self, pid: int) -> int:
+        """Bytes one read of page `pid` transfers (Pager::read_bytes): what
+        its read adds to stats()["bytes_read"], under its footprint."""
+        return int(self.pager.page_read_bytes(pid))
+
     @property
     def page_order(self) -> List[int]:
         """Every block page's id, block by block, each block's in use order."""

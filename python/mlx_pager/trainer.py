@@ -112,6 +112,7 @@ class TrainResult:
     governor_rungs: List[dict] = field(default_factory=list)  # the same, as --report records them
     # The pages as the simulator sees them (session.simulated_pages).
     page_footprints: List[int] = field(default_factory=list)  # bytes each page is charged
+    page_read_bytes: List[int] = field(default_factory=list)  # bytes each page's read transfers
     block_pages: List[tuple] = field(default_factory=list)  # block i's pages, in use order
     tail_back_pages: List[tuple] = field(default_factory=list)  # those a tail's backward reads again
 
@@ -322,6 +323,7 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
     )
     result.plan = session.plan
     result.page_footprints = session.page_footprints
+    result.page_read_bytes = session.page_read_bytes
     result.block_pages = session.block_pages
     result.tail_back_pages = session.tail_back_pages
     session.gov.on_rung = cb.on_governor

@@ -229,6 +229,9 @@ TEST_CASE("pager: a page made of several extents from several files") {
     CHECK(check::matches_pattern(f.data, 2 * kIoAlign, 32, kIoAlign));
     CHECK(check::matches_pattern(f.data + 4 * kIoAlign, kIoAlign + 10, 31, 2 * kIoAlign));
     CHECK_EQ(p.stats().buffered_files, direct ? 0u : 2u);
+    // What the read transferred: the second extent stops at its file's end.
+    CHECK_EQ(p.read_bytes(id), 3 * kIoAlign + 10);
+    CHECK_EQ(p.stats().bytes_read, p.read_bytes(id));
     p.release(id);
   }
 }

@@ -28,6 +28,7 @@ def test_pages_hold_the_models_weights(models, tmp_path, store):
         assert a.shape == ref[name].shape and a.dtype == ref[name].dtype
     assert mx.get_active_memory() - before < 1 << 16
     w.pin_resident()
+    read = w.pager.stats()["bytes_read"]
     for i in range(w.num_blocks):
         w.bind(i)
         got = dict(tree_flatten(model.layers[i].parameters()))
@@ -35,6 +36,12 @@ def test_pages_hold_the_models_weights(models, tmp_path, store):
         for k, v in got.items():
             assert mx.array_equal(v, ref[f"{prefix}.{k}"]).item(), k
         w.unbind(i)
+        # What each page's read transferred, as page_read_bytes says (the
+        # bench's MIN counts it), under what the page is charged.
+        now = w.pager.stats()["bytes_read"]
+        assert now - read == sum(w.page_read_bytes(p) for p in w.block_pages[i])
+        assert all(0 < w.page_read_bytes(p) < w.page_footprint(p) for p in w.block_pages[i])
+        read = now
     assert w.pager.lookup(RESIDENT_PAGE) == w.resident_id
 
 
