@@ -574,6 +574,27 @@ def test_offline_best_within_a_byte_cap_keeps_it_and_no_policy_that_keeps_it_is_
         assert sim.offline_best(acc, fp, budget, disk.rate, width=100, max_bytes=0.5 * mn) is None
 
 
+def test_offline_best_within_a_byte_cap_finds_one_where_many_schedules_tie_on_bytes():
+    """A frozen prefix run ahead (12 blocks once a window of 4 steps, 4
+    trained blocks forward and back every step), room for 4: in the first
+    step every schedule reads the same, and the earliest of those tied cut
+    MIN's own, so a beam of 100 held no schedule within 1.10x MIN although
+    the pager's policy reads MIN's. Ranked next by how soon their pages are
+    wanted, MIN's choice survives: a schedule within the cap, no slower
+    than any policy of the simulator that keeps it."""
+    prefix, trained = 12, 4
+    acc = [sim.Access((p,), 0.05) for p in range(prefix)]
+    for _ in range(4):
+        up = list(range(prefix, prefix + trained))
+        acc += [sim.Access((p,), 0.1) for p in up + up[::-1]]
+    fp, budget, disk = [100] * (prefix + trained), 400, sim.Disk(300.0)
+    cap = 1.1 * sim.min_bytes_per_step(acc, fp, budget)
+    capped = sim.offline_best(acc, fp, budget, disk.rate, width=100, max_bytes=cap)
+    assert capped is not None and capped.bytes_read <= cap * (1 + 1e-9) + 1
+    best = sim.best_settings(acc, fp, budget, disk, max_extra=0.10, policies=("optimal", "lru"))
+    assert best.bytes_read <= cap + 1 and capped.step_s <= best.step_s * (1 + 1e-9)
+
+
 def test_the_bound_can_be_out_of_reach_where_the_policy_is_not():
     """The read shape at half its blocks (8 blocks of 207 MB at 2 GB/s, 17 ms
     forward, 50 ms backward with recompute over the last 4): MIN keeps 3
