@@ -279,8 +279,8 @@ void init_pager(nb::module_& m) {
           "page"_a, "Bytes of the page's frame in memory.")
       .def(
           "page_read_bytes",
-          [](const TensorPager& tp, PageId id) { return tp.pager().read_bytes(id); },
-          "page"_a, "Bytes one read of the page transfers (Pager::read_bytes).")
+          [](const TensorPager& tp, PageId id) { return tp.pager().read_bytes(id); }, "page"_a,
+          "Bytes one read of the page transfers (Pager::read_bytes).")
       .def(
           "stats",
           [](const TensorPager& tp) {
