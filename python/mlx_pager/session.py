@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from . import jit, placement, prefix, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
-from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_prefixes
+from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_footprints, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
 _STATE_COPIES = 3
@@ -433,18 +433,30 @@ PARTS_BELOW_BLOCKS = 2
 AUTO_MIN_PARTS = 4
 
 
-def page_parts(arg, block_bytes: Sequence[int] = (), page_budget: Optional[int] = None) -> Optional[int]:
+def page_parts(
+    arg,
+    block_bytes: Sequence[int] = (),
+    page_budget: Optional[int] = None,
+    footprint: Optional[Callable[[int], int]] = None,
+) -> Optional[int]:
     """PagedWeights' page_parts for --page-parts: N as given; 'auto' by the
     page budget (PARTS_BELOW_BLOCKS): 1 where it holds enough blocks (or is
     unknown), else each block in parts of ~PAGE_PART_BYTES, at least
     AUTO_MIN_PARTS and at most MAX_PAGE_PARTS (split_block keeps modules
-    whole: fewer where a block has fewer)."""
+    whole: fewer where a block has fewer). `footprint(n)`: the largest
+    block's footprint in n pages (store.block_footprints); where the budget
+    does not hold it in parts and it is smaller whole, whole (a recomputed
+    or evaluated block is bound whole: its parts must fit together; a small
+    block's parts cost more than it, each with its alignment)."""
     if arg != "auto":
         return int(arg)
     biggest = max(block_bytes, default=0)
     if not biggest or page_budget is None or page_budget >= PARTS_BELOW_BLOCKS * biggest:
         return 1
-    return min(MAX_PAGE_PARTS, max(AUTO_MIN_PARTS, round(biggest / PAGE_PART_BYTES)))
+    n = min(MAX_PAGE_PARTS, max(AUTO_MIN_PARTS, round(biggest / PAGE_PART_BYTES)))
+    if footprint is not None and footprint(n) > page_budget and footprint(1) < footprint(n):
+        return 1
+    return n
 
 
 def frozen_block_bytes(model: nn.Module) -> Tuple[List[int], int]:
@@ -588,7 +600,13 @@ def open_session(
     parts_arg = getattr(args, "page_parts", 1)
     if parts_arg == "auto":
         blocks, outside = frozen_block_bytes(model)
-        parts = page_parts("auto", blocks, estimated_page_budget(args, model, config, seq_len, baseline, outside))
+        store = getattr(args, "store", "auto")
+        parts = page_parts(
+            "auto",
+            blocks,
+            estimated_page_budget(args, model, config, seq_len, baseline, outside),
+            lambda n: max(block_footprints(model, model_path, n, store), default=0),
+        )
     else:
         parts = page_parts(parts_arg)
     weights = PagedWeights(
@@ -686,6 +704,16 @@ def open_session(
         # the activations of the fastest placement, with no block recomputed
         # (the tail streams its pages, stream.py; the memory budget follows).
         page_cap = int(args.page_budget)
+        if page_cap < max_page:
+            # (A block bound whole, for validation or a recompute, needs
+            # all its pages at once.)
+            raise BudgetError(
+                f"--page-budget {format_size(page_cap)} does not hold one block: the largest block's pages "
+                f"take {format_size(max_page)}"
+                f"{f' in {weights.pages_per_block} parts' if weights.pages_per_block > 1 else ''}. "
+                f"Raise --page-budget to at least {format_size(max_page)}, or leave it out "
+                "(--memory-budget plans the pages)."
+            )
         if training and first < L and ceiling is None:
             # Nothing caps the memory here: measure the whole tail's
             # working set (one sequence) rather than reserve a guess

@@ -151,6 +151,71 @@ def _safetensors_index(model_path: Path) -> Dict[str, Tuple[str, mx.Dtype, list,
     return index
 
 
+def _block_groups(model: nn.Module, params: Dict[str, mx.array], trainable: set, page_parts: Optional[int]):
+    """The block prefixes, the pages' (name, tensor names) in registration
+    order (each block's parts in use order, the pinned page last), and each
+    block's page names."""
+    prefixes = block_prefixes(model)
+    groups: List[Tuple[str, List[str]]] = []
+    page_names: List[List[str]] = []
+    claimed = set()
+    for i, prefix in enumerate(prefixes):
+        names = [n for n in params if n.startswith(prefix + ".") and n not in trainable]
+        claimed.update(names)
+        parts = split_block(names, params, page_parts) if names else [names]
+        groups.extend((block_page_name(i, j, len(parts)), part) for j, part in enumerate(parts))
+        page_names.append([block_page_name(i, j, len(parts)) for j in range(len(parts))])
+    rest = sorted(n for n in params if n not in claimed and n not in trainable)
+    groups.append((RESIDENT_PAGE, rest))
+    return prefixes, groups, page_names
+
+
+def _stored_as_held(index, transformed: set, params: Dict[str, mx.array]):
+    """Whether tensor `n` is stored in the model's files as the model holds
+    it (dtype and shape; not changed by sanitize): then it is read in place."""
+
+    def held(n: str) -> bool:
+        if n not in index or n in transformed:
+            return False
+        _, dtype, shape, _, _ = index[n]
+        return dtype == params[n].dtype and list(shape) == list(params[n].shape)
+
+    return held
+
+
+def _in_place_tensors(index, names: List[str]) -> list:
+    return [(n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2])) for n in names]
+
+
+def block_footprints(model: nn.Module, model_path, page_parts: Optional[int] = 1, store: str = "auto") -> List[int]:
+    """What each block's pages would be charged together once resident
+    (PagedWeights.block_footprint) were the model paged with `page_parts`
+    pages per block, before anything is registered: pages read in place are
+    planned on a scratch Pager (layout.h; nothing is read), swap pages
+    sized by swap_page_bytes. A block in parts may be charged well over the
+    whole block (each part's alignment, and the gaps of other parts its read
+    goes through), so --page-parts auto checks a split against the page
+    budget with this (session.page_parts)."""
+    from ._core import IO_ALIGN
+
+    model_path = Path(model_path)
+    params = dict(tree_flatten(model.parameters()))
+    trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
+    _, groups, page_names = _block_groups(model, params, trainable, page_parts)
+    index = _safetensors_index(model_path)
+    held = _stored_as_held(index, _transformed_by_sanitize(model, model_path), params)
+    scratch = Pager(1 << 62, io_threads=1)
+    footprint = {}
+    for page_name, names in groups[:-1]:
+        if store != "swap" and names and all(held(n) for n in names):
+            pid = scratch.add_page_in_place(page_name, _in_place_tensors(index, names))
+            nbytes = scratch.page_bytes(pid)
+        else:
+            nbytes = swap_page_bytes([params[n].nbytes for n in names])
+        footprint[page_name] = int(nbytes) + int(IO_ALIGN)
+    return [sum(footprint[n] for n in names) for names in page_names]
+
+
 class PagedWeights:
     """A model's frozen weights, paged by a ``Pager`` (see module docstring).
 
@@ -201,23 +266,12 @@ class PagedWeights:
         self.pager = Pager(budget_bytes, **(pager_options or {}))
         self.slots: List[List[_Slot]] = []  # by page id
         self.block_pages: List[Tuple[int, ...]] = []  # block i's page ids, in use order
-        self.block_page_names: List[List[str]] = []
         self.store_kind: List[str] = []  # by page id: "in_place" or "swap"
 
         modules = dict(model.named_modules())
         params = dict(tree_flatten(model.parameters()))
         trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
-        prefixes = block_prefixes(model)
-        groups: List[Tuple[str, List[str]]] = []
-        claimed = set()
-        for i, prefix in enumerate(prefixes):
-            names = [n for n in params if n.startswith(prefix + ".") and n not in trainable]
-            claimed.update(names)
-            parts = split_block(names, params, page_parts) if names else [names]
-            groups.extend((block_page_name(i, j, len(parts)), part) for j, part in enumerate(parts))
-            self.block_page_names.append([block_page_name(i, j, len(parts)) for j in range(len(parts))])
-        rest = sorted(n for n in params if n not in claimed and n not in trainable)
-        groups.append((RESIDENT_PAGE, rest))
+        prefixes, groups, self.block_page_names = _block_groups(model, params, trainable, page_parts)
 
         index = _safetensors_index(self.model_path)
         transformed = _transformed_by_sanitize(model, self.model_path)
@@ -228,12 +282,7 @@ class PagedWeights:
             self._cache = swapcache.SwapCache(ssd_cache_dir, cache_max_bytes)
             self._digests = self._cache.source_digests(self.model_path, swapcache.tensor_ranges(index))
 
-        def stored_as_held(n):
-            if n not in index or n in transformed:
-                return False
-            _, dtype, shape, _, _ = index[n]
-            return dtype == params[n].dtype and list(shape) == list(params[n].shape)
-
+        stored_as_held = _stored_as_held(index, transformed, params)
         to_swap = []
         for page_name, names in groups:
             if not names:
@@ -247,7 +296,7 @@ class PagedWeights:
                     "use store='auto' or 'swap'"
                 )
             if in_place:
-                tensors = [(n, index[n][0], index[n][3], index[n][4], index[n][1], list(index[n][2])) for n in names]
+                tensors = _in_place_tensors(index, names)
                 pid = self.pager.add_page_in_place(page_name, tensors, checksum=self._in_place_checksum(tensors))
                 self._add_slots(pid, self._slots(names, modules, params), "in_place")
             else:

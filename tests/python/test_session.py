@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 
+import pytest
 from conftest import SAMPLE
 
 from mlx_pager import placement as P
@@ -71,6 +72,16 @@ def test_page_parts_auto_splits_blocks_only_below_a_few_blocks_of_budget():
     big = [20 * PAGE_PART_BYTES]
     assert page_parts("auto", big, big[0]) == MAX_PAGE_PARTS  # ~48 MB each, at most 8
     assert page_parts("auto", [], 1) == 1
+    # Where the budget does not hold a block in parts (each part's alignment
+    # and read-through) and it is smaller whole, whole: a bound block's parts
+    # must fit together (where neither fits, the plan names the smaller).
+    whole, split = 100 << 20, (100 << 20) + 5 * 4096
+    fp = lambda n: whole if n == 1 else split  # noqa: E731
+    assert page_parts("auto", blocks, whole, fp) == 1
+    assert page_parts("auto", blocks, whole - 1, fp) == 1
+    assert page_parts("auto", blocks, split, fp) == AUTO_MIN_PARTS
+    wider = lambda n: split if n == 1 else whole  # noqa: E731  (a whole page reading through gaps)
+    assert page_parts("auto", blocks, whole - 1, wider) == AUTO_MIN_PARTS
 
 
 def run_one_step(model, tmp_path, name, **kw):
@@ -120,6 +131,46 @@ def test_page_parts_auto_follows_the_planned_page_budget(models, tmp_path):
     # their pages fit beside another block, streamed through a block's room.
     assert roomy.steps[-1]["tail_held"] and roomy.steps[-1]["recomputed_blocks"] == 0
     assert not tight.steps[-1]["tail_held"]
+
+
+def test_page_parts_auto_pages_whole_where_a_block_fits_the_budget_only_whole(models, tmp_path):
+    """A small 4-bit block in parts is charged more than whole (each part's
+    alignment): at a budget between the two, --page-parts auto pages whole
+    blocks and the run trains and validates (in parts, binding a block for
+    validation failed: its parts did not fit the budget together)."""
+    from mlx_lm.utils import load_model
+
+    from mlx_pager.session import AUTO_MIN_PARTS
+    from mlx_pager.store import block_footprints
+
+    model = models("qwen3", 4, num_hidden_layers=6)
+
+    def footprint(parts):
+        m, _ = load_model(model, lazy=True)
+        m.freeze()
+        return max(block_footprints(m, model, parts))
+
+    whole, split = footprint(1), footprint(AUTO_MIN_PARTS)
+    assert split > whole
+    roomy = run_one_step(model, tmp_path, "roomy", memory_budget="4GB")
+    between = run_one_step(model, tmp_path, "between", page_budget=(whole + split) // 2, steps_per_eval=1)
+    assert all(len(p) == 1 for p in between.block_pages)
+    assert between.train_losses == roomy.train_losses and between.val_losses
+
+
+def test_a_page_budget_under_one_block_is_refused_naming_the_least(models, tmp_path):
+    from mlx_lm.utils import load_model
+
+    from mlx_pager.budget import BudgetError, format_size
+    from mlx_pager.store import block_footprints
+
+    model = models("qwen3", 4, num_hidden_layers=6)
+    m, _ = load_model(model, lazy=True)
+    m.freeze()
+    whole = max(block_footprints(m, model, 1))
+    with pytest.raises(BudgetError, match="--page-budget") as e:
+        run_one_step(model, tmp_path, "small", page_budget=whole // 2)
+    assert f"at least {format_size(whole)}" in str(e.value)
 
 
 def test_evaluation_groups_as_many_batches_as_the_grouped_block_leaves_room_for():

@@ -6,7 +6,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from mlx_pager.store import PAGE_PART_BYTES, RESIDENT_PAGE, PagedWeights, split_block
+from mlx_pager.store import PAGE_PART_BYTES, RESIDENT_PAGE, PagedWeights, block_footprints, split_block
 
 
 def lazy(path):
@@ -133,3 +133,21 @@ def test_a_block_in_several_pages_binds_whole(models, tmp_path):
     for k, v in tree_flatten(model.layers[1].parameters()):
         assert mx.array_equal(v, ref[f"{w.block_prefixes[1]}.{k}"]).item(), k
     w.unbind(1)
+
+
+@pytest.mark.parametrize("arch, bits, store", [("qwen3", 4, "auto"), ("llama", None, "swap")])
+def test_block_footprints_before_registering_are_what_the_pages_are_charged(models, tmp_path, arch, bits, store):
+    """store.block_footprints plans a split without registering it (what
+    --page-parts auto checks against the budget): each block's footprint as
+    PagedWeights then charges it, in place and in a swap file, whole and in
+    parts; parts cost more than the whole block (alignment, read-through)."""
+    path = models(arch, bits)
+    got = {}
+    for parts in (1, 4):
+        planned = block_footprints(lazy(path), path, parts, store)
+        w = PagedWeights(
+            lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), store=store, page_parts=parts
+        )
+        assert planned == [w.block_footprint(i) for i in range(w.num_blocks)], parts
+        got[parts] = planned
+    assert all(p > w for p, w in zip(got[4], got[1]))
