@@ -71,7 +71,7 @@ def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: 
         type=_page_parts,
         default=default(1),
         help="pages per block: N; 'auto' (lora's default): one page per block where the page budget "
-        "holds 2 blocks or more, else parts of ~48 MB (at least 4), so that the next part is read while "
+        "holds 3 blocks or more, else parts of ~48 MB (at least 4), so that the next part is read while "
         "the last one computes; for generate (default 1), 'auto' splits a block over ~72 MB by size.",
     )
     return g

@@ -425,11 +425,18 @@ class Session:
 # for about one, nothing overlaps a block's read: each block is read, then
 # computed. In parts the next part is read while the last one computes
 # (bench, read shape at one block: 1.59-1.84 s a step against 2.30 s whole;
-# compute shape: 2.20 s against 2.82 s). With room for two or more, whole
-# blocks stream as fast or faster with fewer, larger reads (read shape at
-# two blocks: 1.48 s whole against 1.71 s in parts, conservative; at four:
-# 0.95 s against 1.14 s).
-PARTS_BELOW_BLOCKS = 2
+# compute shape: 2.20 s against 2.82 s). With room for two whole blocks the
+# disk still idles wherever both frames hold blocks in use (a block's
+# recompute and backward, the optimizer update): the fastest eviction
+# schedule of whole blocks (bench "opt s") is 1.3x the read bound there.
+# Side by side at two blocks (bench at bd6c093, 2026-12-04): read shape
+# 0.72 / 0.85 / 0.80 / 0.94 / 0.69 s in parts against 0.87 / 1.02 / 0.80 /
+# 0.81 / 0.63 s whole (the same runs' 'again' rows in parts: 0.79 / 0.60 /
+# 0.66 / 0.59 / 0.62); compute shape 2.19 / 2.77 / 2.75 against 3.15 /
+# 3.29 / 4.05; 4-bit and the 8 GB shape even. At three blocks neither won
+# (read shape, README), and from four whole blocks stream faster with
+# fewer, larger reads (read shape at four: 0.95 s against 1.14 s).
+PARTS_BELOW_BLOCKS = 3
 AUTO_MIN_PARTS = 4
 
 
