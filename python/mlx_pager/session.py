@@ -461,8 +461,10 @@ def page_parts(
     if not biggest or page_budget is None or page_budget >= PARTS_BELOW_BLOCKS * biggest:
         return 1
     n = min(MAX_PAGE_PARTS, max(AUTO_MIN_PARTS, round(biggest / PAGE_PART_BYTES)))
-    if footprint is not None and footprint(n) > page_budget and footprint(1) < footprint(n):
-        return 1
+    if footprint is not None:
+        split = footprint(n)  # (each call plans every page of the model)
+        if split > page_budget and footprint(1) < split:
+            return 1
     return n
 
 
