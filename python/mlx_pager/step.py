@@ -499,7 +499,7 @@ class Blocks:
                 mx.eval(out[-1])
             return out
 
-        key = (i, tuple(tuple(h.shape) for h in hs))
+        key = self._group_key(i, hs)
         if len(hs) == 1 or self.grouped.get(key) is False:
             return each()
         alone = each() if key not in self.grouped else None
@@ -520,6 +520,25 @@ class Blocks:
             t.shape == a.shape and t.dtype == a.dtype and mx.array_equal(t, a).item() for t, a in zip(together, alone)
         )
         return alone
+
+    def _group_key(self, i: int, hs: Sequence[mx.array]) -> tuple:
+        return (i, tuple(tuple(h.shape) for h in hs))
+
+    def goes_as_one(self, i: int, hs: Sequence[mx.array]) -> bool:
+        """Whether forward_group takes `hs` through block i as one graph
+        with nothing to compare first: one micro-batch, or a group this
+        block and these shapes were seen to give the same bits together."""
+        return len(hs) == 1 or self.grouped.get(self._group_key(i, hs)) is True
+
+    def group_graph(self, i: int, hs: Sequence[mx.array], call) -> List[mx.array]:
+        """forward_group's outputs where goes_as_one: built as one graph, not
+        evaluated (the caller evaluates them once the block's lazy page
+        reads are dropped from the model, stream.forward_pages)."""
+        if len(hs) == 1:
+            return [self.forward(i, hs[0], call)]
+        whole = self.forward(i, mx.concatenate(list(hs), axis=0), call)
+        ends = list(itertools.accumulate(int(h.shape[0]) for h in hs))
+        return [whole[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
     def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
         layer = self.model.layers[i]
@@ -957,23 +976,43 @@ def _forward_sweep(
     model, weights, micro_batches, upto: int, on_block, phase: str, blocks: Optional[Blocks], group_tokens: int = 0
 ):
     """The micro-batches' hidden states after blocks 0..upto-1, forward
-    only, layer-major, each block bound whole; `on_block(phase, i)` after
-    each block. `group_tokens` > 0: micro-batches of one shape and call go
-    through a block together, up to that many positions
-    (Blocks.forward_group); 0: one at a time."""
+    only, layer-major; `on_block(phase, i)` after each block.
+    `group_tokens` > 0: micro-batches of one shape and call go through a
+    block together, up to that many positions (Blocks.forward_group); 0:
+    one at a time.
+
+    A block of several pages whose sweep is one graph (one group that
+    goes as one, Blocks.goes_as_one) has its pages as lazy reads in that
+    graph (stream.forward_pages), as the step's own forward sweep does: a
+    page's frame goes once the graph is done with it, so the pager reads
+    the next block's first pages while MLX computes with this one's last
+    (with room for one block, binding it whole left the disk idle for the
+    whole of its compute). Otherwise the block is bound whole."""
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
     hs = [mb.h0 for mb in micro_batches]
     for i in range(upto):
-        with weights.bound(i):
-            out = [None] * len(hs)
-            calls = [mb.calls[i] for mb in micro_batches]
-            for group in sweep_groups(hs, calls, group_tokens):
-                got = blocks.forward_group(i, [hs[j] for j in group], calls[group[0]])
-                for j, h in zip(group, got):
-                    out[j] = h
-            hs = out
+        calls = [mb.calls[i] for mb in micro_batches]
+        groups = sweep_groups(hs, calls, group_tokens)
+        one = [hs[j] for j in groups[0]] if len(groups) == 1 else None
+        if len(weights.block_pages[i]) > 1 and one is not None and blocks.goes_as_one(i, one):
+            with forward_pages(weights, i, hs[0]) as drop:
+                got = blocks.group_graph(i, one, calls[groups[0][0]])
+                drop()
+                mx.eval(got)
+            hs = [None] * len(hs)
+            for j, h in zip(groups[0], got):
+                hs[j] = h
+            del got
+        else:
+            with weights.bound(i):
+                out = [None] * len(hs)
+                for group in groups:
+                    got = blocks.forward_group(i, [hs[j] for j in group], calls[group[0]])
+                    for j, h in zip(group, got):
+                        out[j] = h
+                hs = out
         if on_block is not None:
             on_block(phase, i)
     return hs

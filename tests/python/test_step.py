@@ -613,6 +613,48 @@ def test_the_prefix_sweep_groups_micro_batches_with_the_same_bits(models, tmp_pa
     assert all(mx.array_equal(a, b).item() for a, b in zip(alone, got))
 
 
+@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
+def test_the_prefix_sweep_reads_a_block_in_parts_as_its_graph_uses_them(models, tmp_path, arch, bits, monkeypatch):
+    """A frozen block in several pages, its micro-batches one graph: the
+    sweep does not bind the block whole but makes its pages lazy reads in
+    that graph (stream.forward_pages), so each page's frame can go once the
+    graph is done with it and the pager reads the next block's first pages
+    meanwhile (with room for one block, binding it whole left the disk idle
+    for the block's compute). The first sweep still binds, to compare the
+    group with one at a time; every sweep's outputs are the same bits."""
+    path = models(arch, bits, num_hidden_layers=4)
+    (batch,) = batches(path, 1, batch_size=4)
+    model, w = paged(path, 1, "in_place", tmp_path, page_parts=4)
+    prefix = S.first_trained_block(model)
+    assert prefix == 3 and all(len(w.block_pages[i]) > 1 for i in range(prefix))
+    one_block = max(w.block_footprint(i) for i in range(len(model.layers)))
+    w.pager.set_budget(w.resident_bytes + 2 * IO_ALIGN + one_block)  # the pinned resident page counts
+    bound = []
+    whole = w.bound
+
+    def spy(i):
+        bound.append(i)
+        return whole(i)
+
+    monkeypatch.setattr(w, "bound", spy)
+    mbs = S.split_batch(*batch, 4)
+    blocks = S.Blocks(model)
+    first = _sweep(model, w, mbs, 1 << 20, blocks)  # compares: binds each block
+    assert bound == list(range(prefix))
+    bound.clear()
+    w.pager.reset_peak()
+    again = _sweep(model, w, mbs, 1 << 20, blocks)  # one graph per block: lazy reads
+    assert bound == []
+    assert w.pager.stats()["peak_resident_bytes"] <= w.pager.budget
+    single = _sweep(model, w, mbs[:1], 1 << 20, blocks)
+    assert bound == []
+    alone = _sweep(model, w, mbs, 0, S.Blocks(model))  # one at a time: bound whole
+    assert bound == list(range(prefix))
+    for a, b, c in zip(alone, first, again):
+        assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
+    assert mx.array_equal(single[0], alone[0]).item()
+
+
 class _RowMixing(nn.Module):
     """A block whose rows see each other (a batch statistic): a larger batch
     changes every row's output."""
