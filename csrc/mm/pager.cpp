@@ -155,7 +155,12 @@ const PageSpec& Pager::spec(PageId id) const {
 }
 
 std::uint64_t Pager::read_bytes(PageId id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
+  return read_bytes_locked(lock, id);
+}
+
+std::uint64_t Pager::read_bytes_locked(const Lock& lock, PageId id) const {
+  MLX_PAGER_ASSERT_HELD(lock, mu_);
   std::uint64_t n = 0;
   for (const Extent& x : table_.at(id).spec.extents) {
     std::uint64_t size = table_.file(x.file).size();
@@ -281,7 +286,7 @@ void Pager::set_rebuild_hook(RebuildHook hook) {
 }
 
 VmStat Pager::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  Lock lock(mu_);
   VmStat s = stat_;
   if (reads_in_flight_ > 0) {
     s.read_busy_ns += elapsed_ns(busy_since_);  // the busy spell under way
@@ -293,7 +298,10 @@ VmStat Pager::stats() const {
   for (PageId id = 0; id < table_.size(); ++id) {
     const PageEntry& e = table_.at(id);
     s.resident_pages_now += e.state == PageState::resident;
-    s.in_flight_pages_now += e.state == PageState::in_flight;
+    if (e.state == PageState::in_flight) {
+      ++s.in_flight_pages_now;
+      s.in_flight_bytes_now += read_bytes_locked(lock, id);
+    }
     if (e.pinned) {
       s.pinned_bytes_now += e.charged;
       if (e.mlocked) {

@@ -331,6 +331,7 @@ class Pager {
   void readahead_on_free();
   // pager.cpp
   std::uint64_t charged_now() const;
+  std::uint64_t read_bytes_locked(const Lock& lock, PageId id) const;
   std::uint64_t pinned_bytes_locked(const Lock& lock) const;
   void note_peak_locked(const Lock& lock);
   // Checks the accounting invariant above (debug and sanitizer builds).

@@ -34,6 +34,9 @@ struct VmStat {
   std::uint64_t mlocked_bytes_now = 0;  // pinned memory the OS agreed to lock
   std::uint64_t resident_pages_now = 0;
   std::uint64_t in_flight_pages_now = 0;
+  // What the reads in flight now will add to bytes_read (read_bytes): a
+  // snapshot counts a read by when it started, bytes_read by when it landed.
+  std::uint64_t in_flight_bytes_now = 0;
   std::uint64_t frames_reused = 0;         // reads into a kept free frame
   std::uint64_t free_frame_bytes_now = 0;  // kept free frames (charged)
   std::uint64_t direct_files = 0;          // files opened with O_DIRECT/F_NOCACHE

@@ -62,6 +62,7 @@ nb::dict stats_dict(const VmStat& s) {
   d["mlocked_bytes"] = s.mlocked_bytes_now;
   d["resident_pages"] = s.resident_pages_now;
   d["in_flight_pages"] = s.in_flight_pages_now;
+  d["in_flight_bytes"] = s.in_flight_bytes_now;
   d["frames_reused"] = s.frames_reused;
   d["free_frame_bytes"] = s.free_frame_bytes_now;
   d["direct_files"] = s.direct_files;

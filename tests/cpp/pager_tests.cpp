@@ -665,6 +665,8 @@ TEST_CASE("pager: evict_all waits for a readahead in flight and drops it too") {
     std::this_thread::yield();
   }
   CHECK(p.state(0) == PageState::in_flight);
+  CHECK_EQ(p.stats().in_flight_pages_now, 1u);
+  CHECK_EQ(p.stats().in_flight_bytes_now, p.read_bytes(0));  // what its read will add to bytes_read
   p.set_readahead(0);
   p.evict_all();
   ahead.join();
@@ -674,6 +676,7 @@ TEST_CASE("pager: evict_all waits for a readahead in flight and drops it too") {
   }
   CHECK_EQ(p.stats().pages_read, 1u);
   CHECK_EQ(p.stats().resident_bytes_now, 0u);
+  CHECK_EQ(p.stats().in_flight_bytes_now, 0u);
 }
 
 TEST_CASE("pager: a file shorter than its pages is an error, not a crash") {
