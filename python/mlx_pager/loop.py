@@ -442,6 +442,14 @@ def train(
                 "read_busy_s": after["read_busy_s"] - before["read_busy_s"],
                 "bytes_read": after["bytes_read"] - before["bytes_read"],
                 "pages_read": after["pages_read"] - before["pages_read"],
+                # The reads this step started: those that landed or are in
+                # flight at its end, less those already in flight at its
+                # start. A read ahead for the next step counts here, in the
+                # step that made it (bytes_read counts it where it lands).
+                "bytes_started": (after["bytes_read"] + after["in_flight_bytes"])
+                - (before["bytes_read"] + before["in_flight_bytes"]),
+                "pages_started": (after["pages_read"] + after["in_flight_pages"])
+                - (before["pages_read"] + before["in_flight_pages"]),
                 "faults": after["faults"] - before["faults"],
                 "readahead_hits": after["readahead_hits"] - before["readahead_hits"],
                 "acquires": after["acquires"] - before["acquires"],

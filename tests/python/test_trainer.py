@@ -289,6 +289,7 @@ def test_cli_is_a_drop_in_for_mlx_lm_lora(models, tmp_path):
     steps = [l for l in lines if l["type"] == "step"]
     blocks = [l for l in lines if l["type"] == "block"]
     assert len(steps) == 2 and all("bytes_read" in s and "io_wait_s" in s for s in steps)
+    assert all(s["bytes_started"] >= 0 and s["pages_started"] >= 0 for s in steps)  # the reads a step started
     phases = [b["phase"] for b in blocks if b["phase"] != "eval"]  # validation is traced too
     # Each step: the 3 frozen blocks forward, the trained block as the
     # no-recompute tail (the default budget holds it) or, in a step that
