@@ -84,7 +84,8 @@ struct PageEntry {
   int waiters = 0;
   bool pinned = false;
   bool mlocked = false;
-  bool prefetched = false;  // read by readahead and not yet acquired
+  bool prefetched = false;       // read by readahead and not yet acquired
+  std::uint64_t read_bytes = 0;  // what one read transfers (Pager::read_bytes), set at add_page
   std::uint64_t last_access = 0;
   std::uint64_t read_gen = 0;  // counts reads started, to match completions
   std::uint64_t failed_gen = 0;

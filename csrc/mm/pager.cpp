@@ -134,6 +134,13 @@ FileId Pager::add_file(const std::string& path) {
 PageId Pager::add_page(PageSpec spec) {
   std::lock_guard<std::mutex> lock(mu_);
   PageId id = table_.add_page(std::move(spec));
+  // What a read of it transfers, once: its files' sizes are read here
+  // (fstat), not under the lock each stats() holds.
+  PageEntry& e = table_.at(id);
+  for (const Extent& x : e.spec.extents) {
+    std::uint64_t size = table_.file(x.file).size();
+    e.read_bytes += x.file_offset < size ? std::min(x.length, size - x.file_offset) : 0;
+  }
   // The schedule's per-page index must cover the new page.
   schedule_ = Schedule(schedule_.order(), table_.size(), schedule_.repeats());
   return id;
@@ -155,18 +162,8 @@ const PageSpec& Pager::spec(PageId id) const {
 }
 
 std::uint64_t Pager::read_bytes(PageId id) const {
-  Lock lock(mu_);
-  return read_bytes_locked(lock, id);
-}
-
-std::uint64_t Pager::read_bytes_locked(const Lock& lock, PageId id) const {
-  MLX_PAGER_ASSERT_HELD(lock, mu_);
-  std::uint64_t n = 0;
-  for (const Extent& x : table_.at(id).spec.extents) {
-    std::uint64_t size = table_.file(x.file).size();
-    n += x.file_offset < size ? std::min(x.length, size - x.file_offset) : 0;
-  }
-  return n;
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.at(id).read_bytes;
 }
 
 PageState Pager::state(PageId id) const {
@@ -286,7 +283,7 @@ void Pager::set_rebuild_hook(RebuildHook hook) {
 }
 
 VmStat Pager::stats() const {
-  Lock lock(mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   VmStat s = stat_;
   if (reads_in_flight_ > 0) {
     s.read_busy_ns += elapsed_ns(busy_since_);  // the busy spell under way
@@ -300,7 +297,7 @@ VmStat Pager::stats() const {
     s.resident_pages_now += e.state == PageState::resident;
     if (e.state == PageState::in_flight) {
       ++s.in_flight_pages_now;
-      s.in_flight_bytes_now += read_bytes_locked(lock, id);
+      s.in_flight_bytes_now += e.read_bytes;
     }
     if (e.pinned) {
       s.pinned_bytes_now += e.charged;

@@ -147,7 +147,7 @@ class Pager {
   std::size_t num_pages() const;
   const PageSpec& spec(PageId id) const;
   // Bytes one read of the page transfers: its extents, each up to its
-  // file's end (a direct read stops there). What stats().bytes_read grows by
+  // file's end when it was registered (a direct read stops there). What stats().bytes_read grows by
   // for each read of the page, re-reads after a failed check aside; less
   // than spec.frame_bytes, which also holds the alignment padding.
   std::uint64_t read_bytes(PageId id) const;
@@ -331,7 +331,6 @@ class Pager {
   void readahead_on_free();
   // pager.cpp
   std::uint64_t charged_now() const;
-  std::uint64_t read_bytes_locked(const Lock& lock, PageId id) const;
   std::uint64_t pinned_bytes_locked(const Lock& lock) const;
   void note_peak_locked(const Lock& lock);
   // Checks the accounting invariant above (debug and sanitizer builds).

@@ -505,15 +505,13 @@ class Blocks:
         alone = each() if key not in self.grouped else None
         uncompiled = dict(self.uncompiled)
         try:
-            whole = self.forward(i, mx.concatenate(list(hs), axis=0), call)
-            mx.eval(whole)
+            together = self.group_graph(i, hs, call)
+            mx.eval(together)
         except Exception:
             # Not this block's failure to compile: one at a time it compiles.
             self.uncompiled = uncompiled
             self.grouped[key] = False
             return alone if alone is not None else each()
-        ends = list(itertools.accumulate(int(h.shape[0]) for h in hs))
-        together = [whole[a:b] for a, b in zip([0] + ends[:-1], ends)]
         if alone is None:
             return together
         self.grouped[key] = all(
@@ -995,16 +993,13 @@ def _forward_sweep(
     for i in range(upto):
         calls = [mb.calls[i] for mb in micro_batches]
         groups = sweep_groups(hs, calls, group_tokens)
-        one = [hs[j] for j in groups[0]] if len(groups) == 1 else None
-        if len(weights.block_pages[i]) > 1 and one is not None and blocks.goes_as_one(i, one):
+        # One group holds every micro-batch, in order (sweep_groups).
+        if len(weights.block_pages[i]) > 1 and len(groups) == 1 and blocks.goes_as_one(i, hs):
             with forward_pages(weights, i, hs[0]) as drop:
-                got = blocks.group_graph(i, one, calls[groups[0][0]])
+                out = blocks.group_graph(i, hs, calls[0])
                 drop()
-                mx.eval(got)
-            hs = [None] * len(hs)
-            for j, h in zip(groups[0], got):
-                hs[j] = h
-            del got
+                mx.eval(out)
+            hs = out
         else:
             with weights.bound(i):
                 out = [None] * len(hs)
