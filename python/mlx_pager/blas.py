@@ -21,6 +21,7 @@ macOS, where MLX uses Accelerate and Metal.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Optional
@@ -72,6 +73,63 @@ def load_openblas() -> str:
     except OSError:
         return "missing"
     return "active"
+
+
+# Thread counts a user may have set, which share_cores leaves alone.
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "GOTO_NUM_THREADS")
+
+
+def ranks_on_this_host(env=None) -> int:
+    """How many ranks of a distributed run share this machine (1 outside
+    one): MPI's OMPI_COMM_WORLD_LOCAL_SIZE, or for mlx.launch's ring
+    backend the ranks whose address in MLX_HOSTFILE (a JSON list, one entry
+    per rank: "ip:port" or a list of them) has this rank's (MLX_RANK) IP."""
+    env = os.environ if env is None else env
+    if env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "").isdigit():
+        return max(1, int(env["OMPI_COMM_WORLD_LOCAL_SIZE"]))
+    path, rank = env.get("MLX_HOSTFILE"), env.get("MLX_RANK", "")
+    if not path or not rank.isdigit():
+        return 1
+    try:
+        with open(path) as f:
+            hosts = json.load(f)
+    except (OSError, ValueError):
+        return 1
+
+    def ip(entry):
+        first = entry[0] if isinstance(entry, list) and entry else entry
+        return first.rsplit(":", 1)[0] if isinstance(first, str) else None
+
+    if not isinstance(hosts, list) or int(rank) >= len(hosts) or ip(hosts[int(rank)]) is None:
+        return 1
+    return sum(ip(h) == ip(hosts[int(rank)]) for h in hosts)
+
+
+def share_cores(env=None) -> Optional[int]:
+    """Where several ranks share this machine, gives OpenBLAS this rank's
+    share of its cores, unless the user set a thread count (THREAD_VARS).
+    OpenBLAS starts a thread per core and they spin while they wait: two
+    ranks on a 2-core machine, each with two, ran a step 3x slower than
+    one rank (bench_distributed: 2 ranks at 0.31x one rank's throughput,
+    0.85x with a thread each). Returns the threads set, or None."""
+    env = os.environ if env is None else env
+    if STATE != "active" or any(v in env for v in THREAD_VARS):
+        return None
+    local = ranks_on_this_host(env)
+    if local <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    import ctypes
+
+    try:
+        # dlsym on the library's handle also searches what it links
+        # (Debian's libblas.so.3 is a front for libopenblas.so.0).
+        set_threads = ctypes.CDLL(openblas_path(), mode=os.RTLD_GLOBAL).openblas_set_num_threads
+    except (OSError, AttributeError, TypeError):
+        return None
+    n = max(1, cores // local)
+    set_threads(ctypes.c_int(n))
+    return n
 
 
 STATE = "n/a"  # set by mlx_pager/__init__.py at import

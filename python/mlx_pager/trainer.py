@@ -282,6 +282,8 @@ def run(args, training_callback: Optional[PagerCallback] = None) -> TrainResult:
     return_freed_memory_to_os()  # before the first large allocation
     np.random.seed(args.seed)
     world = mx.distributed.init()  # one rank unless started by mlx.launch
+    if world.size() > 1:
+        blas.share_cores()  # ranks on one machine: a share of its cores each
     if world.size() > 1 and args.ssd_cache_dir is not None:
         # Each rank pages from its own cache under its own budget.
         args.ssd_cache_dir = str(Path(args.ssd_cache_dir) / f"rank{world.rank()}")
