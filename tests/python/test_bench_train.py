@@ -200,6 +200,15 @@ def test_a_row_that_reads_nothing_after_its_first_step_is_held_to_the_shapes_rat
     assert bench_train.row_rate(fast, 2e9) == 2e9  # never above the shape's R
 
 
+def test_the_rows_are_sampled_at_the_setting_best_over_all_the_shapes_samples():
+    # Setting 1 is the luckiest in the last sample, setting 0 the best over
+    # all: the rows' rate is read at setting 0 (not the highest of each row's
+    # noisy samples).
+    samples = [[1.6e9, 1.4e9, 1.2e9], [1.7e9, 1.5e9, 1.3e9], [1.5e9, 1.9e9, 1.1e9]]
+    assert bench_train.near_setting(samples) == 0
+    assert bench_train.near_setting(samples[2:]) == 1
+
+
 def test_a_windowed_rows_prediction_uses_the_windows_its_figures_do():
     """The simulator gets a windowed row's compute from the windows its step
     time comes from (steady_indices), not from the first window of several
