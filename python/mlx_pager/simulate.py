@@ -67,6 +67,15 @@ class Access:
     pages: Tuple[int, ...]  # acquired in this order, released in reverse
     hold_s: float = 0.0  # compute while they are held
     gap_s: float = 0.0  # compute before they are acquired, with no page held
+    # Acquired while the access before still holds its pages, which go only
+    # once these are in: the next lazy read of one graph (stream.py, a
+    # forward block read in parts). MLX reaches a lazy read before the ops
+    # using the page before it have finished, so a fault there makes room
+    # around that page, not with it (seen in traces: a forward part's fault
+    # evicting a tail page while the part before was still held). Where the
+    # budget has no room beside that page, it goes first (the read waits
+    # for it, as the pager's acquire waits for room).
+    overlaps: bool = False
 
 
 @dataclass(frozen=True)
@@ -311,6 +320,10 @@ class _Sim:
         self._read_of.pop(p).done = self.t
 
     # ---- reclaim.cpp ----
+    def held_bytes(self) -> int:
+        """Bytes of the pages acquired and not released."""
+        return sum(self.fp[i] for i in range(self.n) if self.refs[i] > 0)
+
     def evictable(self) -> List[_Cand]:
         return [
             _Cand(i, self.prio[i], self.last[i], self.next_use(i, self.cursor))
@@ -526,21 +539,35 @@ def _program(sim: _Sim, accesses: Sequence[Access], steps: int, marks: List[floa
         if events is not None:
             events.append((kind, p, frozenset(i for i in range(sim.n) if sim.state[i] != ON_DISK)))
 
+    def release(pages):
+        for p in reversed(pages):
+            sim.release(p)
+            note("release", p)
+
     sim.readahead()  # set_schedule looks ahead at once
     note("schedule", None)
     for _ in range(steps):
         marks.append(sim.t)
+        before = ()  # the access before's pages, where the next one overlaps them
         for a in accesses:
+            if not a.overlaps:
+                release(before)
+                before = ()
             if a.gap_s > 0:
                 yield ("compute", a.gap_s)
             for p in a.pages:
+                if before and sim.state[p] == ON_DISK and sim.held_bytes() + sim.fp[p] > sim.budget:
+                    # No room beside the page before: the read waits until
+                    # the graph is done with it (the pager's reclaim wait).
+                    release(before)
+                    before = ()
                 yield from sim.acquire(p)
                 note("acquire", p)
+            release(before)
             if a.hold_s > 0:
                 yield ("compute", a.hold_s)
-            for p in reversed(a.pages):
-                sim.release(p)
-                note("release", p)
+            before = a.pages
+        release(before)
     marks.append(sim.t)
 
 
@@ -926,7 +953,8 @@ def accesses_from_marks(
     A block bound whole (the backward sweep, a one-page block) is one access
     of its pages; a block whose pages are lazy reads (a forward block of
     several pages, the tail) is one access per page, the block's compute
-    shared among them. What a mark cannot tell apart is split by rule: the
+    shared among them, each after the first of its graph overlapping the
+    one before (Access.overlaps). What a mark cannot tell apart is split by rule: the
     time after the last block (the optimizer update) and before the first
     (embedding) is the first access's gap; the first backward block after a
     forward sweep without a tail also carries the head, so its hold is the
@@ -945,8 +973,11 @@ def accesses_from_marks(
     out: List[Access] = []
     phases: List[str] = []
 
-    def each_page(pages, hold, phase):
-        out.extend(Access(pages=(p,), hold_s=hold / len(pages)) for p in pages)
+    def each_page(pages, hold, phase, chained=False):
+        # Lazy reads of one graph: each page acquired while the one before
+        # is held (Access.overlaps); `chained`: the first one too (the
+        # graph's pages before these).
+        out.extend(Access(pages=(p,), hold_s=hold / len(pages), overlaps=chained or k > 0) for k, p in enumerate(pages))
         phases.extend([phase] * len(pages))
 
     t_prev, w_prev = start
@@ -966,11 +997,11 @@ def accesses_from_marks(
             # the forward's compute). One graph: the marks give its total only.
             blocks = sorted(m.block for m in g)
             share = busy / (3 * len(blocks))
-            for b in blocks:
-                each_page(pages_of[b], share, "tail")
+            for k, b in enumerate(blocks):
+                each_page(pages_of[b], share, "tail", chained=k > 0)
             for b in reversed(blocks):
                 if back_of[b]:
-                    each_page(back_of[b], 2 * share, "tail")
+                    each_page(back_of[b], 2 * share, "tail", chained=True)
             continue
         pages = pages_of[g[0].block]
         if g[0].phase == "forward" and len(pages) > 1:

@@ -413,6 +413,42 @@ def test_accesses_of_blocks_in_several_pages():
     assert [round(a.hold_s + a.gap_s, 6) for a in acc[:2]] == [0.5, 0.5]
     assert [round(a.hold_s, 6) for a in acc[2:7]] == [round(1 / 3, 6)] * 3 + [1.0, 1.0]
     assert acc[7].hold_s == pytest.approx(2.0)
+    # Lazy reads of one graph overlap the access before: within the forward
+    # block's graph, and all through the tail's; the block bound whole, and
+    # each graph's first page, do not.
+    assert [a.overlaps for a in acc] == [False, True, False, True, True, True, True, False]
+
+
+def test_a_lazy_page_is_acquired_while_the_one_before_is_held():
+    """Access.overlaps: the page before goes only once this one is in, so a
+    fault makes room around it. Room for two of three pages, page 2 read
+    first: without the overlap, page 1's fault evicts page 0 (just
+    released, its next use the furthest); with it page 0 is held, and the
+    fault evicts page 2."""
+    fp = [100, 100, 100]
+    base = [sim.Access((2,), hold_s=0.1), sim.Access((0,), hold_s=0.1), sim.Access((1,), hold_s=0.1)]
+    lazy = base[:2] + [sim.Access((1,), hold_s=0.1, overlaps=True)]
+    disk, none = sim.Disk(1e3, 1), sim.Settings(0)
+    events = []
+    sim.simulate(base, fp, 200, disk, none, steps=1, warmup=0, events=events)
+    at_fault = next(charged for kind, p, charged in events if kind == "acquire" and p == 1)
+    assert at_fault == {1, 2}  # page 0 went: its next use is the furthest
+    events = []
+    sim.simulate(lazy, fp, 200, disk, none, steps=1, warmup=0, events=events)
+    at_fault = next(charged for kind, p, charged in events if kind == "acquire" and p == 1)
+    assert at_fault == {0, 1}  # page 0 still held: page 2 made the room
+    # page 0 is released only after page 1 is in
+    kinds = [(kind, p) for kind, p, _ in events if kind in ("acquire", "release")]
+    assert kinds.index(("release", 0)) > kinds.index(("acquire", 1))
+
+
+def test_a_lazy_page_with_no_room_beside_the_one_before_waits_for_it():
+    """Whole blocks streamed at a budget of one (naive keep): the next
+    block's read waits for the one before to go, as the pager's acquire
+    waits for room, instead of failing."""
+    acc = [sim.Access((0,), hold_s=0.1)] + [sim.Access((p,), hold_s=0.1, overlaps=True) for p in (1, 2, 2, 1, 0)]
+    p = sim.simulate(acc, [100, 100, 100], 100, sim.Disk(1e3, 1), sim.Settings(0), steps=2, warmup=1)
+    assert p.pages_read == 4  # 1, 2, then (2 kept) 1, 0
 
 
 def test_a_held_tail_is_one_access_of_all_its_pages():
