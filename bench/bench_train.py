@@ -579,13 +579,16 @@ def measured_accesses(r):
         per_step = [accesses(st) for st in r["marks"][1:] or r["marks"]]
     if not per_step:
         return []
-    ref = [a.pages for a in per_step[-1]]
-    same = [acc for acc in per_step if [a.pages for a in acc] == ref]
+    ref = [(a.pages, a.overlaps) for a in per_step[-1]]
+    same = [acc for acc in per_step if [(a.pages, a.overlaps) for a in acc] == ref]
     return [
         simulate.Access(
-            pages, statistics.median(acc[i].hold_s for acc in same), statistics.median(acc[i].gap_s for acc in same)
+            pages,
+            statistics.median(acc[i].hold_s for acc in same),
+            statistics.median(acc[i].gap_s for acc in same),
+            overlaps,
         )
-        for i, pages in enumerate(ref)
+        for i, (pages, overlaps) in enumerate(ref)
     ]
 
 
@@ -899,15 +902,24 @@ def bench_one(name, shape, a, out_dir):
     def pct(f):
         return f"{int(f * 100)}%"
 
+    budgets = {}
+
     def page_budget(f):
         # 100%: every page fits (page frames carry a little alignment slack).
         # Below: that share of the pages' frames (what the pager charges: the
         # weights plus each frame's few KB of alignment), so that 25% of 8
         # equal blocks holds 2 of them, not 2 less their alignment (which is
-        # 1). Never below one page: a budget must hold the block in use.
-        # A block in parts is charged each part's alignment: below 100%, at
-        # least one block's worth of them (--page-parts auto splits there).
-        return int(1.1 * W) if f == 1 else max(int(f * L * footprint), footprint + 2 * MAX_PAGE_PARTS * IO_ALIGN)
+        # 1). A block in parts is charged each part's alignment: a block's
+        # frames as the estimate has them plus up to MAX_PAGE_PARTS pages of
+        # alignment, so that the 2 blocks fit in parts too (--page-parts auto
+        # splits below PARTS_BELOW_BLOCKS blocks). Never below one page: a
+        # budget must hold the block in use. The same budget for every row
+        # of a fraction (the footprint is corrected after the first row:
+        # 90 KB more at 25% of the read shape put MIN's reads 10% lower).
+        if f not in budgets:
+            block = footprint + MAX_PAGE_PARTS * IO_ALIGN
+            budgets[f] = int(1.1 * W) if f == 1 else max(int(f * L * block), footprint + 2 * MAX_PAGE_PARTS * IO_ALIGN)
+        return budgets[f]
 
     measure_rate()
     # 'pager' rows run as a user does, without --readahead (the trainer's
@@ -1104,10 +1116,10 @@ def bench_one(name, shape, a, out_dir):
                 vs_predicted=row["step_s"] / fig["predicted"].step_s,
                 # What the row's figures were simulated from, so that a row
                 # can be simulated again offline (other settings, a policy
-                # change): its step as [pages, hold_s, gap_s] per access,
+                # change): its step as [pages, hold_s, gap_s, overlaps] per access,
                 # the pages' footprints, what each one's read transfers and
                 # the rate its reads got.
-                accesses=[[list(a.pages), a.hold_s, a.gap_s] for a in fig["accesses"]],
+                accesses=[[list(a.pages), a.hold_s, a.gap_s, a.overlaps] for a in fig["accesses"]],
                 page_footprints=list(r["page_footprints"]),
                 page_read_bytes=list(r["page_read_bytes"]),
                 read_Bps=got,
