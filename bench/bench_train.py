@@ -329,26 +329,32 @@ def step_marks_callback(lock: Lockstep = None):
     before the first step and passes it on after each, outside the steps'
     timing, as worker_mlx_lm does."""
     from mlx_pager.callbacks import PagerCallback
-    from mlx_pager.simulate import waited
+    from mlx_pager.simulate import not_compute_s
 
     class StepMarks(PagerCallback):
         def __init__(self):
             self.steps = []
-            self.pager = None
+            self.pager = self.blocks = None
+
+        def on_session(self, session):
+            self.blocks = session.blocks
+
+        def off(self, stats):
+            return not_compute_s(stats, self.blocks)
 
         def on_step_begin(self, iteration, stats):
             if lock:
                 lock.acquire()
-            self.steps.append({"start": [time.perf_counter(), waited(stats)], "marks": []})
+            self.steps.append({"start": [time.perf_counter(), self.off(stats)], "marks": []})
 
         def on_block(self, weights, phase, block):
             self.pager = weights.pager
             if self.steps and "end" not in self.steps[-1]:
-                self.steps[-1]["marks"].append([phase, block, time.perf_counter(), waited(weights.pager.stats())])
+                self.steps[-1]["marks"].append([phase, block, time.perf_counter(), self.off(weights.pager.stats())])
 
         def on_step(self, record):
             if self.steps and self.pager is not None:
-                self.steps[-1]["end"] = [time.perf_counter(), waited(self.pager.stats())]
+                self.steps[-1]["end"] = [time.perf_counter(), self.off(self.pager.stats())]
                 self.steps[-1]["held"] = bool(record.get("tail_held"))
                 self.steps[-1]["window"] = list(record.get("window", (1, 0)))
             if lock:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -444,6 +445,11 @@ class Blocks:
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
         self.grouped: Dict[tuple, bool] = {}  # (block, shapes) -> same bits as one at a time (forward_group)
+        # Seconds forward_group has spent running groups one at a time only
+        # to compare (the first sweep of a block and shapes): not the step's
+        # compute, which a measured step less these and the pager's waits is
+        # (simulate.not_compute_s).
+        self.compare_s = 0.0
         self.tail = Tail(model, compile and compile_tail)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
@@ -502,7 +508,11 @@ class Blocks:
         key = self._group_key(i, hs)
         if len(hs) == 1 or self.grouped.get(key) is False:
             return each()
-        alone = each() if key not in self.grouped else None
+        alone = None
+        if key not in self.grouped:
+            t0 = time.perf_counter()
+            alone = each()
+            self.compare_s += time.perf_counter() - t0
         uncompiled = dict(self.uncompiled)
         try:
             together = self.group_graph(i, hs, call)

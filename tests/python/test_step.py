@@ -596,11 +596,14 @@ def test_the_prefix_sweep_groups_micro_batches_with_the_same_bits(models, tmp_pa
     mbs = S.split_batch(*batch, 4)  # 4 micro-batches of one row, one shape
     alone = _sweep(model, w, mbs, 0, S.Blocks(model))
     blocks = S.Blocks(model)
+    assert blocks.compare_s == 0
     first = _sweep(model, w, mbs, 1 << 20, blocks)
-    seen = dict(blocks.grouped)
+    seen, compared = dict(blocks.grouped), blocks.compare_s
     again = _sweep(model, w, mbs, 1 << 20, blocks)
     assert sorted(i for i, _ in seen) == [0, 1]  # each frozen block compared once
     assert blocks.grouped == seen  # and not again
+    # the time of the one-at-a-time runs (not the step's compute: simulate.not_compute_s)
+    assert compared > 0 and blocks.compare_s == compared
     if mx.default_device() == mx.cpu:
         assert all(seen.values())  # MLX's CPU kernels give each row the same bits
     for a, b, c in zip(alone, first, again):
