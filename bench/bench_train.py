@@ -411,6 +411,7 @@ def worker_pager(cfg):
             "readahead": [s["readahead_blocks"], s["readahead_mode"]],
             "tokens": s["tokens"],
             "window": s["window"],
+            "compare_s": s["compare_s"],
         }
         for s in res.steps
     ]
@@ -528,9 +529,14 @@ def near_setting(samples) -> int:
 def steady_indices(steps) -> list:
     """Which steps a row's figures are taken from: those after the first that
     ran the readahead the last step ran with (without --readahead the
-    trainer runs its first two steps at depth 2, then its own choice)."""
+    trainer runs its first two steps at depth 2, then its own choice), less
+    those that compared grouped forwards (compare_s: the frozen prefix's
+    first sweep runs its groups one at a time as well), where others are
+    left. (A choice of depth 2 conservative is the trainer's start too: the
+    first window, which compared and ran before the choice, was counted.)"""
     last = steps[-1].get("readahead") if steps else None
-    return [i for i in range(1, len(steps)) if steps[i].get("readahead") == last] or list(range(len(steps)))[-1:]
+    same = [i for i in range(1, len(steps)) if steps[i].get("readahead") == last]
+    return [i for i in same if not steps[i].get("compare_s")] or same or list(range(len(steps)))[-1:]
 
 
 def steady_steps(steps):

@@ -397,6 +397,7 @@ def train(
             s.window_at(window.done)
 
             before = pager.stats()
+            compare_s = s.blocks.compare_s
             cb.on_step_begin(it, before)
             # The readahead this step runs with (the automatic choice,
             # simulate.AutoReadahead, may change it after a step).
@@ -478,6 +479,10 @@ def train(
                 # step's place in it (0: the step that ran the prefix for all).
                 "window": [len(window), window.done - 1],
                 "prefix_ahead": bool(probe.get("prefix_ahead", False)),
+                # seconds the frozen prefix's first grouped sweep ran its
+                # groups one at a time as well, to compare (Blocks.compare_s):
+                # a step unlike the ones after it
+                "compare_s": s.blocks.compare_s - compare_s,
             }
             result.steps.append(rec)
             cb.on_step(rec)
