@@ -26,7 +26,9 @@ during the head, the optimizer update and the next embedding, count):
                any chunk is being read the device gives `rate` bytes/s.
   the compute  one Access per bound group of pages: `gap_s` of compute with
                no page held (the head, the optimizer update), then its pages
-               acquired in order, `hold_s` of compute, released in reverse.
+               acquired in order, `hold_s` of compute, released in reverse;
+               a lazy read's page (`overlaps`) is acquired before the page
+               of the access before it is released, as MLX reaches it.
 
 ``best_settings`` is the simulator's best over the policy space (readahead
 depth, conservative or aggressive); ``choose_readahead`` is the pager's own
