@@ -109,9 +109,9 @@ def share_cores(env=None) -> Optional[int]:
     """Where several ranks share this machine, gives OpenBLAS this rank's
     share of its cores, unless the user set a thread count (THREAD_VARS).
     OpenBLAS starts a thread per core and they spin while they wait: two
-    ranks on a 2-core machine, each with two, ran a step 3x slower than
-    one rank (bench_distributed: 2 ranks at 0.31x one rank's throughput,
-    0.85x with a thread each). Returns the threads set, or None."""
+    ranks on a 2-core machine, each with two threads, trained at 0.31x one
+    rank's throughput (bench_distributed; 0.52x with a thread each).
+    Returns the threads set, or None."""
     env = os.environ if env is None else env
     if STATE != "active" or any(v in env for v in THREAD_VARS):
         return None

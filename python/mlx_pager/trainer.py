@@ -284,9 +284,9 @@ def run(args, training_callback: Optional[PagerCallback] = None) -> TrainResult:
     world = mx.distributed.init()  # one rank unless started by mlx.launch
     if world.size() > 1:
         blas.share_cores()  # ranks on one machine: a share of its cores each
-    if world.size() > 1 and args.ssd_cache_dir is not None:
-        # Each rank pages from its own cache under its own budget.
-        args.ssd_cache_dir = str(Path(args.ssd_cache_dir) / f"rank{world.rank()}")
+        if args.ssd_cache_dir is not None:
+            # Each rank pages from its own cache under its own budget.
+            args.ssd_cache_dir = str(Path(args.ssd_cache_dir) / f"rank{world.rank()}")
     cb = _callbacks(args, training_callback)
     result = TrainResult()
     with interrupt.stop_on_signals():
