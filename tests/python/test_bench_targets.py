@@ -103,6 +103,25 @@ def test_where_the_fastest_schedule_reads_over_the_bytes_target_the_row_is_held_
     assert read.status == "MISSED" and "the fastest the search finds is 1.07x the bound, and the row" in read.figure
 
 
+def test_blocks_in_parts_give_the_fastest_schedule_found_never_one_out_of_reach():
+    """At 25% blocks are paged in parts and the search is a beam that cuts:
+    its best is a schedule that exists, not the fastest there is. The line
+    gives it as what the search found, and never says the target is out of
+    reach for every schedule, even where that schedule misses it."""
+    s = summary()
+    s["read"]["rows"] += [paged(c, optimum_exhaustive=False) for c in ("pager 25%", "pager 25% again")]
+    s["read"]["twice"]["pager 25%"] = twice(
+        vs_bound=(1.12, 1.14), optimum_vs_bound=(1.12, 1.12), vs_optimum=(1.0, 1.02)
+    )
+    read = {t.name: t for t in targets.check(s)}["read-bound, 25% <= 1.1x the bound"]
+    assert read.status == "MISSED" and "out of reach" not in read.figure
+    assert "the fastest schedule the search finds (opt s) is 1.12x the bound (blocks in parts" in read.figure
+    assert "the row 1.01x it" in read.figure
+    s["read"]["twice"]["pager 25%"] = twice(vs_bound=(1.12, 1.14))
+    read = {t.name: t for t in targets.check(s)}["read-bound, 25% <= 1.1x the bound"]
+    assert "too many pages for the search" in read.figure
+
+
 def test_targets_whose_rows_did_not_run_say_so():
     goals = {t.name: t for t in targets.check(summary())}
     # 25% was not run twice in this summary; q4 and big not at all
