@@ -13,6 +13,7 @@
 #include <mlx/device.h>
 
 #include "mm/direct_io.h"
+#include "mm/huge_pages.h"
 
 namespace mlx_pager {
 
@@ -39,6 +40,7 @@ MlxFrameAllocator::MlxFrameAllocator(bool page_pool) : kept_(std::make_shared<Ke
   if (page_pool && PagePool::supported() && !mx::is_available(mx::Device::gpu)) {
     kept_->pool = std::make_shared<PagePool>();
   }
+  kept_->huge_pages = !mx::is_available(mx::Device::gpu);
 }
 
 PagePool* MlxFrameAllocator::pool() {
@@ -160,6 +162,11 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   std::uint64_t offset = align_up(reinterpret_cast<std::uintptr_t>(raw), kIoAlign) -
       reinterpret_cast<std::uintptr_t>(raw);
   std::uint64_t footprint = std::max(exact, request);
+  if (kept_->huge_pages) {
+    // Direct reads into huge pages run at the device's rate, not at where
+    // scattered small pages happen to lie (huge_pages.h).
+    advise_huge_pages(raw + offset, bytes);
+  }
   if (pool != nullptr) {
     // Pages freed frames left behind, in place of fresh ones.
     pool->fill(raw + offset, bytes);

@@ -25,6 +25,10 @@
 // fresh ones. Pages of several sizes (a block in parts) then land in memory
 // already mapped too. The pool is memory outside MLX's counts
 // (pooled_bytes), within the page budget (the pager bounds it).
+//
+// There, too, a frame's whole huge pages are advised to be huge pages
+// before the read lands (huge_pages.h): direct reads into them run at the
+// device's rate, into scattered small pages at 0.5-0.9x of it.
 #pragma once
 
 #include <memory>
@@ -83,6 +87,9 @@ class MlxFrameAllocator : public FrameAllocator {
     // freed frames' pages, in place of the kept frame (set once, at
     // construction).
     std::shared_ptr<PagePool> pool;
+    // Where MLX's buffers are this process's malloc memory (CPU backend):
+    // frames are advised into huge pages (huge_pages.h; set once).
+    bool huge_pages = false;
   };
 
  private:

@@ -2,6 +2,7 @@
 #include "mm/frame.h"
 
 #include "mm/direct_io.h"
+#include "mm/huge_pages.h"
 
 namespace mlx_pager {
 
@@ -23,6 +24,7 @@ HeapFrameAllocator::HeapFrameAllocator(bool page_pool)
 Frame HeapFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_free) {
   std::size_t n = footprint(bytes);
   char* p = static_cast<char*>(aligned_alloc_io(n));
+  advise_huge_pages(p, n);  // before anything touches it (huge_pages.h)
   if (pool_ != nullptr) {
     pool_->fill(p, n);
   }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "mm/direct_io.h"
+#include "mm/huge_pages.h"
 
 namespace mlx_pager {
 
@@ -22,9 +23,11 @@ struct Piece {
   std::size_t required = 0;
 };
 
+// Memory of the kind the pager reads into (its frames: huge pages where the
+// platform has them, huge_pages.h), or the rate is that of other memory.
 struct Buffer {
   void* p = nullptr;
-  explicit Buffer(std::size_t n) : p(aligned_alloc_io(n)) {}
+  explicit Buffer(std::size_t n) : p(aligned_alloc_io(n)) { advise_huge_pages(p, n); }
   ~Buffer() { aligned_free_io(p); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;

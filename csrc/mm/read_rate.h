@@ -3,7 +3,9 @@
 // A bound on a paged step is only honest if the rate it divides by is the
 // best the device gives the way the pager reads: page-sized batches split
 // into chunks that several I/O threads read in parallel with direct I/O (no
-// page cache), one or two batches in flight as readahead keeps them. This
+// page cache), one or two batches in flight as readahead keeps them, into
+// memory of the kind its frames are (huge pages where the platform has
+// them: the rate depends on it, huge_pages.h). This
 // measures exactly that, through the pager's own PageIO and DirectFile: the
 // files are read front to back in `batch_bytes` batches, `depth` batches in
 // flight, until `max_bytes` are read, `max_seconds` have passed, or the

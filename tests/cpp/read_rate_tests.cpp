@@ -1,11 +1,14 @@
 // read_rate_tests.cpp: the read-rate measurement reads the files' real
-// bytes, front to back, stops at its limits, and names what it cannot read.
+// bytes, front to back, into memory of the kind the pager's frames are,
+// stops at its limits, and names what it cannot read.
 #include <map>
 #include <mutex>
 
 #include "check.h"
 #include "mm/direct_io.h"
+#include "mm/huge_pages.h"
 #include "mm/read_rate.h"
+#include "smaps.h"
 #include "test_files.h"
 
 using namespace mlx_pager;
@@ -67,4 +70,23 @@ TEST_CASE("read_rate: bad settings and missing files are errors naming them") {
   CHECK_THROWS_WITH(measure_read_rate({p}, c), "must be positive");
   c.threads = 2;
   CHECK_THROWS_WITH(measure_read_rate({p, check::temp_dir() + "/missing.bin"}, c), "missing.bin");
+}
+
+TEST_CASE("read_rate: batches land in memory advised into huge pages, as the pager's frames") {
+  const std::uint64_t h = huge_page_bytes();
+  if (h == 0) {
+    return;  // no huge pages on this platform: frames and buffers alike
+  }
+  auto p = check::pattern_file("rr5.bin", 6 * h, 35);
+  ReadRateConfig c;
+  c.batch_bytes = 3 * h;
+  int advised = 0, batches = 0;
+  c.on_batch = [&](const std::string&, std::uint64_t, const char* d, std::size_t) {
+    const auto first = (reinterpret_cast<std::uintptr_t>(d) + h - 1) & ~(h - 1);
+    advised += check::huge_page_advised(reinterpret_cast<const char*>(first));
+    ++batches;
+  };
+  measure_read_rate({p}, c);
+  CHECK_EQ(batches, 2);
+  CHECK_EQ(advised, 2);
 }

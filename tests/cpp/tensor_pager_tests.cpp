@@ -15,7 +15,9 @@
 #include "check.h"
 #include "mlx/tensor_pager.h"
 #include "mm/checksum.h"
+#include "mm/huge_pages.h"
 #include "mm/safetensors.h"
+#include "smaps.h"
 
 using namespace mlx_pager;
 namespace mx = mlx::core;
@@ -554,4 +556,17 @@ TEST_CASE("tensor_pager: views check item alignment and frame bounds; on_free ru
     CHECK_EQ(freed, 0);  // the view keeps the buffer
   }
   CHECK_EQ(freed, 1);
+}
+
+TEST_CASE(
+    "tensor_pager: on the CPU backend a frame's whole huge pages are advised before its read") {
+  const std::uint64_t h = huge_page_bytes();
+  if (h == 0 || mx::is_available(mx::Device::gpu)) {
+    return;  // no huge pages here, or frames are a GPU allocator's memory
+  }
+  MlxFrameAllocator alloc;
+  Frame f = alloc.allocate(4 * h, [] {});
+  const auto first = (reinterpret_cast<std::uintptr_t>(f.data) + h - 1) & ~(h - 1);
+  CHECK(check::huge_page_advised(reinterpret_cast<char*>(first)));
+  CHECK(check::huge_page_advised(reinterpret_cast<char*>(first) + 2 * h));
 }
