@@ -40,7 +40,7 @@ MlxFrameAllocator::MlxFrameAllocator(bool page_pool) : kept_(std::make_shared<Ke
   if (page_pool && PagePool::supported() && !mx::is_available(mx::Device::gpu)) {
     kept_->pool = std::make_shared<PagePool>();
   }
-  kept_->huge_pages = !mx::is_available(mx::Device::gpu);
+  huge_pages_ = !mx::is_available(mx::Device::gpu);
 }
 
 PagePool* MlxFrameAllocator::pool() {
@@ -162,7 +162,7 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
   std::uint64_t offset = align_up(reinterpret_cast<std::uintptr_t>(raw), kIoAlign) -
       reinterpret_cast<std::uintptr_t>(raw);
   std::uint64_t footprint = std::max(exact, request);
-  if (kept_->huge_pages) {
+  if (huge_pages_) {
     // Direct reads into huge pages run at the device's rate, not at where
     // scattered small pages happen to lie (huge_pages.h).
     advise_huge_pages(raw + offset, bytes);

@@ -87,13 +87,13 @@ class MlxFrameAllocator : public FrameAllocator {
     // freed frames' pages, in place of the kept frame (set once, at
     // construction).
     std::shared_ptr<PagePool> pool;
-    // Where MLX's buffers are this process's malloc memory (CPU backend):
-    // frames are advised into huge pages (huge_pages.h; set once).
-    bool huge_pages = false;
   };
 
  private:
   std::shared_ptr<Kept> kept_;
+  // Where MLX's buffers are this process's malloc memory (CPU backend):
+  // frames are advised into huge pages (huge_pages.h).
+  bool huge_pages_ = false;
 };
 
 }  // namespace mlx_pager

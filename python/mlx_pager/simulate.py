@@ -769,9 +769,10 @@ def offline_best(
                     continue
                 if footprints[p] > budget:
                     raise SimBudgetError(f"page {p} needs {footprints[p]} bytes, the page budget is {budget}")
-                if bef and sum(footprints[q] for q in set(a.pages[:j]) | set(bef)) + footprints[p] > budget:
-                    bef = ()  # no room beside the page before: it goes first
                 held = set(a.pages[:j]) | set(bef)
+                if bef and sum(footprints[q] for q in held) + footprints[p] > budget:
+                    bef = ()  # no room beside the page before: it goes first
+                    held = set(a.pages[:j])
                 # Every set of victims that makes room (each set once: taken
                 # in the order of `res`; a set that fits is not grown).
                 free = [v for v, _ in res if v not in held]

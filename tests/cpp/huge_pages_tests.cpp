@@ -56,7 +56,7 @@ TEST_CASE("huge_pages: a heap frame's whole huge pages are advised before its re
   }
   HeapFrameAllocator alloc(false);
   Frame f = alloc.allocate(4 * h, [] {});
-  const auto first = ((reinterpret_cast<std::uintptr_t>(f.data) + h - 1) & ~(h - 1));
-  CHECK(huge_page_advised(reinterpret_cast<char*>(first)));
-  CHECK(huge_page_advised(reinterpret_cast<char*>(first) + 2 * h));
+  const char* first = check::first_huge_page(f.data, h);
+  CHECK(huge_page_advised(first));
+  CHECK(huge_page_advised(first + 2 * h));
 }

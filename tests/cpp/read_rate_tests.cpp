@@ -82,8 +82,7 @@ TEST_CASE("read_rate: batches land in memory advised into huge pages, as the pag
   c.batch_bytes = 3 * h;
   int advised = 0, batches = 0;
   c.on_batch = [&](const std::string&, std::uint64_t, const char* d, std::size_t) {
-    const auto first = (reinterpret_cast<std::uintptr_t>(d) + h - 1) & ~(h - 1);
-    advised += check::huge_page_advised(reinterpret_cast<const char*>(first));
+    advised += check::huge_page_advised(check::first_huge_page(d, h));
     ++batches;
   };
   measure_read_rate({p}, c);

@@ -31,6 +31,13 @@ inline std::string vm_flags(const void* addr) {
   return "";
 }
 
+// The first `huge`-aligned address at or after `p` (the first whole huge
+// page of memory starting at p).
+inline const char* first_huge_page(const void* p, std::uint64_t huge) {
+  return reinterpret_cast<const char*>(
+      (reinterpret_cast<std::uintptr_t>(p) + huge - 1) & ~(huge - 1));
+}
+
 // The memory at `addr` is advised MADV_HUGEPAGE ("hg").
 inline bool huge_page_advised(const void* addr) {
   return vm_flags(addr).find(" hg ") != std::string::npos;

@@ -566,7 +566,7 @@ TEST_CASE(
   }
   MlxFrameAllocator alloc;
   Frame f = alloc.allocate(4 * h, [] {});
-  const auto first = (reinterpret_cast<std::uintptr_t>(f.data) + h - 1) & ~(h - 1);
-  CHECK(check::huge_page_advised(reinterpret_cast<char*>(first)));
-  CHECK(check::huge_page_advised(reinterpret_cast<char*>(first) + 2 * h));
+  const char* first = check::first_huge_page(f.data, h);
+  CHECK(check::huge_page_advised(first));
+  CHECK(check::huge_page_advised(first + 2 * h));
 }
