@@ -2,6 +2,7 @@
 `mlx.launch -- mlx_lm.lora` on the same flags: 2 ranks over the ring
 backend on this machine."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -27,13 +28,23 @@ def launcher():
     return str(exe) if exe.exists() else shutil.which("mlx.launch")
 
 
-def launch(n, *cmd, timeout=900):
+def launch(n, *cmd, timeout=900, env=None):
     return subprocess.run(
         [launcher(), "-n", str(n), "--backend", "ring", "--", *map(str, cmd)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
+
+
+# The BLAS thread count of every rank, mlx_lm's and mlx-pager's alike. Left
+# alone, mlx-pager gives ranks that share a machine a share of its cores
+# each (blas.share_cores) while mlx_lm's keep a thread per core, and
+# OpenBLAS's float32 sums depend on its thread count on some CPUs: on an
+# AMD EPYC VM all 28 adapters then differed after 4 Adam steps (up to 5e-3;
+# bit for bit on the same count), where an Intel VM had given the same bits.
+SAME_THREADS = dict(os.environ, OPENBLAS_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +91,9 @@ def test_two_ranks_train_the_adapters_mlx_lm_trains(ring, models, tmp_path):
         "--seed",
         0,
     ]
-    ref = launch(2, sys.executable, "-m", "mlx_lm", "lora", *flags, "--adapter-path", tmp_path / "ref")
+    ref = launch(
+        2, sys.executable, "-m", "mlx_lm", "lora", *flags, "--adapter-path", tmp_path / "ref", env=SAME_THREADS
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = launch(
         2,
@@ -99,6 +112,7 @@ def test_two_ranks_train_the_adapters_mlx_lm_trains(ring, models, tmp_path):
         tmp_path / "c",
         "--report",
         tmp_path / "r.jsonl",
+        env=SAME_THREADS,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     r = mx.load(str(tmp_path / "ref" / "adapters.safetensors"))
