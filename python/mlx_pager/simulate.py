@@ -1151,6 +1151,22 @@ class AutoReadahead:
         self._key = (budget, schedule)
         return True
 
+    def choose(self, pager, accesses, footprints, budget: int, io_threads: int, policy: str, unit: int):
+        """tune_readahead for a measured step at `budget` (at self.rate), or
+        None, the pager left as it is, where the step as measured does not
+        fit that budget (SimBudgetError): the governor lowered the budget
+        after the step, and the plan changes the next step to fit (seen: a
+        held tail of two blocks, 122 MB, measured under a 188 MB budget that
+        the step lowered to 119 MB, stopped a run at its last step). The
+        choice is then made after a step under the new budget."""
+        try:
+            return tune_readahead(
+                pager, accesses, footprints, budget, self.rate, io_threads, policy, self.max_extra, unit=unit
+            )
+        except SimBudgetError:
+            self._key = None  # the next step calls for a choice
+            return None
+
     def on_session(self, session):
         self.session = session
 
@@ -1207,17 +1223,10 @@ class AutoReadahead:
                 files.insert(0, Path(s.weights.swap_path))
             self.rate = read_rate_for_session(files, max(s.page_footprints), s.args.io_threads)
         unit = s.weights.pages_per_block
-        self.chosen = tune_readahead(
-            pager,
-            acc,
-            s.page_footprints,
-            budget,
-            self.rate,
-            s.args.io_threads,
-            s.args.policy,
-            self.max_extra,
-            unit=unit,
-        )
+        chosen = self.choose(pager, acc, s.page_footprints, budget, s.args.io_threads, s.args.policy, unit)
+        if chosen is None:
+            return
+        self.chosen = chosen
         if self.say is not None and self.chosen.settings != self._said:
             self._said = self.chosen.settings
             p = self.chosen

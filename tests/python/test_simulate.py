@@ -499,6 +499,28 @@ def test_auto_readahead_chooses_again_when_the_budget_or_schedule_moves():
     assert auto.needs_choice(1030, b)  # another schedule (the tail's placement)
 
 
+def test_auto_readahead_leaves_the_pager_when_the_step_does_not_fit_the_new_budget():
+    """A step measured under one budget, the choice made for a lower one
+    (the governor's, after the step) where the step's held pages do not fit
+    (a held tail of two pages): no choice, the pager as it was, and the
+    next step (planned for the new budget) calls for one."""
+    from mlx_pager import Pager
+
+    pager = Pager(1, readahead=3, readahead_mode="conservative", io_threads=2)
+    auto = sim.AutoReadahead(rate=1e9)
+    acc = [sim.Access((0,), 0.01), sim.Access((1,), 0.01), sim.Access((2, 3), 0.02), sim.Access((1,), 0.01)]
+    fp = [100, 100, 100, 100]
+    schedule = tuple(a.pages for a in acc)
+    assert auto.needs_choice(150, schedule)
+    assert auto.choose(pager, acc, fp, 150, 2, "optimal", 1) is None
+    assert (pager.readahead, pager.readahead_mode) == (3, "conservative")
+    assert auto.needs_choice(150, schedule)  # chosen again after the next step
+    # Where it fits, the pager runs the choice.
+    chosen = auto.choose(pager, acc, fp, 300, 2, "optimal", 1)
+    assert chosen is not None
+    assert (pager.readahead, pager.readahead_mode) == (chosen.settings.readahead, chosen.settings.mode)
+
+
 def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
     """As a trainer callback: after the second step it sets the running
     pager's readahead depth and mode from that step, and the run goes on."""
