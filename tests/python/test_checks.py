@@ -94,7 +94,7 @@ def test_bad_flags_before_anything_heavy(capsys, model, tmp_path, flag, value, e
 
 
 def test_budget_above_physical_memory_is_warned(capsys, model, tmp_path):
-    rc, err = lora(capsys, *base(model, tmp_path), "--memory-budget", "99999TB", "--steps-per-eval", 100)
+    rc, err = lora(capsys, *base(model, tmp_path), "--memory-budget", "99999TB", "--val-batches", 1)
     assert rc == 0
     assert "more than this machine's" in err and "warning" in err
 

@@ -63,7 +63,7 @@ def ring():
 
 
 def test_two_ranks_train_the_adapters_mlx_lm_trains(ring, models, tmp_path):
-    model = models("qwen2", 4)
+    model = models("qwen2", 4, dtype="float32")  # float32 scales: see test_prefix.py
     wrapper = tmp_path / "peak_rss.py"
     wrapper.write_text(PEAK_RSS)
     flags = [

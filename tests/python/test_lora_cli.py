@@ -239,6 +239,8 @@ def test_test_alone_evaluates_saved_adapters_like_mlx_lm(models, tmp_path):
         tmp_path / "c",
         "--steps-per-eval",
         100,
+        "--val-batches",
+        1,
     )
     assert train.returncode == 0, train.stderr[-3000:]
     flags = [

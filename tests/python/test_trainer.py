@@ -127,7 +127,14 @@ def test_adapters_load_in_mlx_lm_and_generate(models, tmp_path):
     model_path = models("llama", 4)
     t = PagedTrainer(str(model_path), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
     res = t.lora(
-        SAMPLE, lora_rank=4, iters=3, batch_size=2, num_layers=2, adapter_path=str(tmp_path / "ad"), steps_per_eval=1000
+        SAMPLE,
+        lora_rank=4,
+        iters=3,
+        batch_size=2,
+        num_layers=2,
+        adapter_path=str(tmp_path / "ad"),
+        steps_per_eval=1000,
+        val_batches=1,
     )
     assert res.adapter_file.exists()
     model, tok = mlx_lm.load(str(model_path), adapter_path=str(tmp_path / "ad"))
