@@ -1,7 +1,7 @@
 """Training benchmarks against the anchors, side by side in one run.
 
     python bench/bench_train.py [--out bench_out] [--steps 5] [--shapes compute,read,q4]
-                                [--configs mlx-lm,pager 25%,naive]
+                                [--configs mlx-lm,pager 25%,naive] [--ab-env NAME=VALUE]
 
 For each model shape, on the same generated model, data, batch and sequence
 length, each configuration in its own process (so peak RSS is its own):
@@ -44,6 +44,12 @@ length, each configuration in its own process (so peak RSS is its own):
                    minutes long, so one run's ratio moves by up to ~30%.
                    Under the table, each ratio of both runs and their mean:
                    the figure to read a target from
+  env X%, again    with --ab-env NAME=VALUE: each 'pager X%' row again with
+                   those environment variables, right after it and right
+                   before its 'again' (A B ... B A); under the table, the
+                   mean step with them over without, per budget (e.g.
+                   OPENBLAS_THREAD_TIMEOUT=4, which helped on one VM and
+                   hurt on another: decide per machine)
   mlx-lm pair i,   resident and nothing paged side by side, PAIRS times, last,
   pager 100% pair i   each pair's two processes in lockstep for PAIR_STEPS
                    steps (benchlib.run_lockstep: one step each in turn,
@@ -760,11 +766,22 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--configs", default=None, help="comma-separated name prefixes of the rows to run (default: all)")
+    ap.add_argument(
+        "--ab-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="run each 'pager X%%' row also with this environment variable (repeatable): 'env X%%' rows, A B ... B A",
+    )
     a = ap.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(json.loads(a.worker))))
         return
     a.configs = [c.strip() for c in a.configs.split(",")] if a.configs else None
+    bad = [e for e in a.ab_env if "=" not in e or not e.split("=", 1)[0].strip()]
+    if bad:
+        ap.error(f"--ab-env takes NAME=VALUE (e.g. OPENBLAS_THREAD_TIMEOUT=4), not {', '.join(map(repr, bad))}")
+    a.ab_env = dict(e.split("=", 1) for e in a.ab_env)
     unknown = [n for n in a.shapes.split(",") if n not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}: choose from {', '.join(SHAPES)}")
@@ -867,6 +884,8 @@ def bench_one(name, shape, a, out_dir):
         dd.append(dd_rate(dd_files))
 
     def want(cfg_name):
+        if cfg_name.startswith("env "):
+            return bool(a.ab_env)  # each follows its 'pager' row, which --configs chose
         return a.configs is None or any(cfg_name.startswith(c) for c in a.configs)
 
     results = {}
@@ -975,6 +994,9 @@ def bench_one(name, shape, a, out_dir):
             # (the largest block as either partition charges it: a block's
             # whole page may read through gaps its parts skip)
             footprint = max(footprint, results[f"pager {pct(f)}"]["page_footprint"])
+            # --ab-env: the same row with the variables, right after it
+            # (and again right before 'pager X% again': A B ... B A).
+            go(f"env {pct(f)}", page_budget=page_budget(f), env=a.ab_env, **pager)
     measure_rate()
     for f in [f for f in fractions if f < 1]:
         go(f"cons {pct(f)}", page_budget=page_budget(f), **fixed)
@@ -1008,6 +1030,7 @@ def bench_one(name, shape, a, out_dir):
     # the rest of the shape (A B ... B A with resident mlx-lm's two runs).
     for f in reversed(fractions):
         if f"pager {pct(f)}" in results:
+            go(f"env {pct(f)} again", page_budget=page_budget(f), env=a.ab_env, **pager)
             go(f"pager {pct(f)} again", page_budget=page_budget(f), **pager)
     if "mlx-lm" in results:
         # Resident again, last: the ratios to resident take the mean of the two.
@@ -1200,6 +1223,9 @@ def bench_one(name, shape, a, out_dir):
     pairs = pairs_summary(rows)
     if pairs:
         print(pairs["line"])
+    ab = ab_summary(rows, a.ab_env)
+    for line in ab.get("lines", []):
+        print(line)
     for v in violations:
         print(f"   BOUND VIOLATED: {v}")
     for row in rows:
@@ -1234,6 +1260,7 @@ def bench_one(name, shape, a, out_dir):
         "capped": capped,
         "twice": twice["rows"],
         "nothing_paged_pairs": pairs,
+        "ab": ab,
     }
 
 
@@ -1288,6 +1315,41 @@ def pairs_summary(rows) -> dict:
         f"(90% bootstrap interval {lo:.3f}-{hi:.3f}x)"
     )
     return {"ratios": ratios, "steps": steps, "median": m, "interval": [lo, hi], "lockstep": lockstep, "line": line}
+
+
+def ab_summary(rows, env: dict) -> dict:
+    """--ab-env: each 'env X%' row (the variables set) against its 'pager X%'
+    row, both run twice in the order A B ... B A: the mean of the two runs'
+    step times with over without, and the rate their reads got. Below 1: the
+    variables made the step faster on this machine."""
+    if not env:
+        return {}
+    by_name = {r["config"]: r for r in rows}
+    label = " ".join(f"{k}={v}" for k, v in env.items())
+    out, lines = {"env": env, "fractions": {}}, [f"   A/B with {label} ('env X%') against without ('pager X%'):"]
+    for name in by_name:
+        if not (name.startswith("pager ") and name.endswith("%")):
+            continue
+        f = name.removeprefix("pager ")
+        runs = [by_name.get(n) for n in (name, f"{name} again", f"env {f}", f"env {f} again")]
+        if any(x is None or x.get("step_s") is None for x in runs):
+            continue
+        without = [x["step_s"] for x in runs[:2]]
+        with_ = [x["step_s"] for x in runs[2:]]
+        ratio = statistics.mean(with_) / statistics.mean(without)
+        reads = [x.get("read_Bps") for x in runs]
+        out["fractions"][f] = {"without_s": without, "with_s": with_, "ratio": ratio, "read_Bps": reads}
+        rate = (
+            f"; reads {statistics.mean(reads[:2]) / 1e9:.2f} -> {statistics.mean(reads[2:]) / 1e9:.2f}GB/s"
+            if all(reads)
+            else ""
+        )
+        lines.append(
+            f"   {f:>5}: step {without[0]:.3f}s / {without[1]:.3f}s without, {with_[0]:.3f}s / {with_[1]:.3f}s with: "
+            f"{ratio:.3f}x{rate}"
+        )
+    out["lines"] = lines
+    return out if out["fractions"] else {}
 
 
 def bootstrap_interval(xs, level: float = 0.9, draws: int = 2000) -> tuple:

@@ -23,8 +23,9 @@ def run_worker(script: str, cfg: dict, cap: int = None) -> dict:
     `cap`: under a hard memory cgroup of that many bytes (the tests' own
     tests/python/cgroup.py), adding "cgroup_peak" (bytes charged at most)
     and "cap"; where no cgroup can be made, uncapped with "cap_unavailable"
-    saying why."""
-    env = _worker_env()
+    saying why. cfg["env"], if any: environment variables the worker starts
+    with (set before anything loads, as OPENBLAS_THREAD_TIMEOUT must be)."""
+    env = _worker_env(cfg.get("env"))
     cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(cfg)]
     extra = {}
     if cap:
@@ -42,10 +43,10 @@ def run_worker(script: str, cfg: dict, cap: int = None) -> dict:
     return _result(cfg.get("name", cfg), out.stdout, out.stderr, out.returncode, extra)
 
 
-def _worker_env() -> dict:
+def _worker_env(extra: dict = None) -> dict:
     from mlx_pager.blas import openblas_path
 
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra or {}))
     lib = openblas_path()
     if lib and lib not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = lib
@@ -124,7 +125,6 @@ def run_lockstep(script: str, first: dict, second: dict) -> list:
     before each step and passes on after it: their steps alternate, `first`'s
     first. Returns both results, as run_worker does."""
     a, b = socket.socketpair()
-    env = _worker_env()
     procs = []
     with tempfile.TemporaryDirectory() as d:
         try:
@@ -133,7 +133,14 @@ def run_lockstep(script: str, first: dict, second: dict) -> list:
                 cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(cfg)]
                 out, err = open(Path(d) / f"{i}.out", "w+"), open(Path(d) / f"{i}.err", "w+")
                 procs.append(
-                    (cfg, subprocess.Popen(cmd, stdout=out, stderr=err, env=env, pass_fds=(sock.fileno(),)), out, err)
+                    (
+                        cfg,
+                        subprocess.Popen(
+                            cmd, stdout=out, stderr=err, env=_worker_env(cfg.get("env")), pass_fds=(sock.fileno(),)
+                        ),
+                        out,
+                        err,
+                    )
                 )
         finally:
             # Only the workers hold the socket's ends: one that exits is EOF to the other.

@@ -257,3 +257,25 @@ def test_a_windowed_rows_prediction_uses_the_windows_its_figures_do():
     r["steps"][1]["readahead"] = [4, "a"]
     acc = bench_train.measured_accesses(r)
     assert all(abs(a.hold_s - 2.0) < 1e-9 for a in acc)  # the median of 3 and 1
+
+
+def test_ab_rows_give_the_mean_step_with_the_variables_over_without():
+    def row(name, step, rate):
+        return {"config": name, "step_s": step, "read_Bps": rate}
+
+    rows = [
+        row("pager 25%", 0.86, 1.6e9),
+        row("env 25%", 0.78, 1.8e9),
+        row("pager 10%", 1.0, 1.5e9),  # no 'env 10%' rows: no line for 10%
+        row("cons 25%", 0.5, 1.0e9),
+        row("env 25% again", 0.82, 1.7e9),
+        row("pager 25% again", 0.90, 1.5e9),
+    ]
+    ab = bench_train.ab_summary(rows, {"OPENBLAS_THREAD_TIMEOUT": "4"})
+    assert list(ab["fractions"]) == ["25%"]
+    f = ab["fractions"]["25%"]
+    assert f["without_s"] == [0.86, 0.90] and f["with_s"] == [0.78, 0.82]
+    assert abs(f["ratio"] - 0.80 / 0.88) < 1e-12
+    assert "OPENBLAS_THREAD_TIMEOUT=4" in ab["lines"][0] and "0.909x" in ab["lines"][1]
+    assert "reads 1.55 -> 1.75GB/s" in ab["lines"][1]
+    assert bench_train.ab_summary(rows, {}) == {}

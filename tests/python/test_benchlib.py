@@ -1,5 +1,6 @@
 """bench/benchlib.py: two workers in lockstep take turns, one step each,
-never at once, the first's first; a partner that exits holds nothing back."""
+never at once, the first's first; a partner that exits holds nothing back;
+a configuration's environment variables reach its worker alone."""
 
 import sys
 import time
@@ -7,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from benchlib import run_lockstep  # noqa: E402
+from benchlib import run_lockstep, run_worker  # noqa: E402
 
 WORKER = """
 import json, sys, time
@@ -60,3 +61,22 @@ def test_a_partner_that_is_done_holds_nothing_back(tmp_path):
     assert [who for _, _, who in s] == [0, 1, 0, 1, 1, 1, 1, 1]
     assert all(prev[1] <= nxt[0] for prev, nxt in zip(s, s[1:]))
     assert time.perf_counter() - t < 30
+
+
+ENV_WORKER = """
+import json, os
+print("RESULT " + json.dumps({"value": os.environ.get("MLX_PAGER_AB_PROBE"), "preload": os.environ.get("LD_PRELOAD")}))
+"""
+
+
+def test_a_configurations_env_reaches_its_worker_alone(tmp_path, monkeypatch):
+    # --ab-env's rows: set where the process starts (OPENBLAS_THREAD_TIMEOUT
+    # is read when OpenBLAS loads), not in the bench's own environment.
+    monkeypatch.delenv("MLX_PAGER_AB_PROBE", raising=False)
+    script = tmp_path / "env_worker.py"
+    script.write_text(ENV_WORKER)
+    assert run_worker(str(script), dict(name="a", env={"MLX_PAGER_AB_PROBE": "4"}))["value"] == "4"
+    assert run_worker(str(script), dict(name="b"))["value"] is None
+    a, b = run_lockstep(str(script), dict(name="a", env={"MLX_PAGER_AB_PROBE": "4"}), dict(name="b"))
+    assert (a["value"], b["value"]) == ("4", None)
+    assert "MLX_PAGER_AB_PROBE" not in __import__("os").environ
