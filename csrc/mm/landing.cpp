@@ -18,6 +18,26 @@ Landing::Landing(
   for (const FrameRange& r : ranges) {
     ranges_.push_back(Range{r.offset, r.length, 0, std::make_unique<Hasher>()});
   }
+  // A left move (the plan's kind) over exactly one range hashes it: piece by
+  // piece, each piece's destination ends before the next piece's source.
+  fused_.assign(moves_.size(), -1);
+  if (!checked_) {
+    return;
+  }
+  for (std::size_t i = 0; i < moves_.size(); ++i) {
+    const FrameMove& m = moves_[i];
+    if (m.to >= m.from || m.length == 0) {
+      continue;
+    }
+    for (std::size_t k = 0; k < ranges_.size(); ++k) {
+      Range& r = ranges_[k];
+      if (r.offset == m.from && r.length == m.length && !r.by_move) {
+        r.by_move = true;
+        fused_[i] = static_cast<int>(k);
+        break;
+      }
+    }
+  }
 }
 
 Landing::~Landing() = default;
@@ -35,7 +55,8 @@ bool Landing::all_landed(std::uint64_t begin, std::uint64_t end) const {
   return begin >= end || landed_end(begin) >= end;
 }
 
-bool Landing::move_ready(const FrameMove& m) const {
+bool Landing::move_ready(std::size_t i) const {
+  const FrameMove& m = moves_[i];
   if (!all_landed(m.from, m.from + m.length)) {
     return false;
   }
@@ -46,14 +67,40 @@ bool Landing::move_ready(const FrameMove& m) const {
       return false;
     }
   }
-  // Every checksum range the move reads or writes is hashed.
+  // Every checksum range the move reads or writes is hashed (but the one the
+  // move hashes itself).
   std::uint64_t lo = std::min(m.from, m.to), hi = std::max(m.from, m.to) + m.length;
-  for (const Range& r : ranges_) {
-    if (r.offset < hi && lo < r.offset + r.length && r.hashed != r.length) {
+  for (std::size_t k = 0; k < ranges_.size(); ++k) {
+    const Range& r = ranges_[k];
+    if (static_cast<int>(k) != fused_[i] && r.offset < hi && lo < r.offset + r.length &&
+        r.hashed != r.length) {
       return false;
     }
   }
   return true;
+}
+
+void Landing::apply_move(std::size_t i, std::unique_lock<std::mutex>* lock) {
+  const FrameMove& m = moves_[i];
+  Range* r = fused_[i] >= 0 ? &ranges_[fused_[i]] : nullptr;
+  if (lock != nullptr) {
+    lock->unlock();
+  }
+  if (r == nullptr) {
+    std::memmove(frame_ + m.to, frame_ + m.from, m.length);
+  } else {
+    for (std::uint64_t at = 0; at < m.length; at += kFusedPiece) {
+      std::uint64_t n = std::min(kFusedPiece, m.length - at);
+      r->hasher->update(frame_ + m.from + at, n);
+      std::memmove(frame_ + m.to + at, frame_ + m.from + at, n);
+    }
+  }
+  if (lock != nullptr) {
+    lock->lock();
+  }
+  if (r != nullptr) {
+    r->hashed = r->length;
+  }
 }
 
 void Landing::landed(std::uint64_t offset, std::uint64_t length) {
@@ -90,6 +137,9 @@ void Landing::work(std::unique_lock<std::mutex>& lock) {
   for (bool more = true; more;) {
     more = false;
     for (Range& r : ranges_) {
+      if (r.by_move) {
+        continue;  // its move hashes it
+      }
       std::uint64_t from = r.offset + r.hashed;
       std::uint64_t to = std::min(landed_end(from), r.offset + r.length);
       if (to <= from) {
@@ -103,11 +153,8 @@ void Landing::work(std::unique_lock<std::mutex>& lock) {
       r.hashed += to - from;
       more = true;
     }
-    while (next_move_ < moves_.size() && move_ready(moves_[next_move_])) {
-      const FrameMove& m = moves_[next_move_];
-      lock.unlock();
-      std::memmove(frame_ + m.to, frame_ + m.from, m.length);
-      lock.lock();
+    while (next_move_ < moves_.size() && move_ready(next_move_)) {
+      apply_move(next_move_, &lock);
       ++next_move_;
       more = true;
     }
@@ -121,10 +168,14 @@ std::optional<std::uint64_t> Landing::finish() {
   cv_.wait(lock, [&] { return !working_; });
   work(lock);
   // Nothing more lands: the moves left (after a failed chunk) run anyway,
-  // in order, as a read would have left them.
+  // in order, as a read would have left them; one that hashes its range
+  // hashes it only where all of its source landed.
   for (; next_move_ < moves_.size(); ++next_move_) {
     const FrameMove& m = moves_[next_move_];
-    std::memmove(frame_ + m.to, frame_ + m.from, m.length);
+    if (fused_[next_move_] >= 0 && !all_landed(m.from, m.from + m.length)) {
+      fused_[next_move_] = -1;
+    }
+    apply_move(next_move_, nullptr);
   }
   if (!checked_) {
     return std::nullopt;

@@ -20,11 +20,18 @@
 // shifts the same bytes. The result equals frame_checksum() of the page
 // after its moves.
 //
+// A range that is exactly a left move's source is hashed by that move, piece
+// by piece, each piece hashed and moved while it is in cache: one pass over
+// memory where hashing as it landed and moving later took two (a fused pass
+// 0.18 s a GB against 0.26 here, 2-vCPU AMD EPYC; MLX-written files move
+// nearly every tensor).
+//
 // Thread safety: landed() from any number of threads at once (one of them
 // works at a time; the others return at once, leaving their bytes to it);
 // finish() after the last landed() has returned.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -67,6 +74,11 @@ class Landing {
 
   // Moves applied before finish() (while the read landed).
   std::size_t moved_early() const { return moved_early_; }
+  // Moves that hash their source range as they move it.
+  std::size_t hashing_moves() const {
+    return static_cast<std::size_t>(
+        std::count_if(fused_.begin(), fused_.end(), [](int k) { return k >= 0; }));
+  }
 
  private:
   struct Range {
@@ -74,11 +86,17 @@ class Landing {
     std::uint64_t length = 0;
     std::uint64_t hashed = 0;  // bytes fed to `hasher`, from `offset` on
     std::unique_ptr<Hasher> hasher;
+    bool by_move = false;  // hashed by the move whose source it is
   };
+  // Bytes hashed and then moved at a time by a fused move (fits L2).
+  static constexpr std::uint64_t kFusedPiece = 256u << 10;
   // Hashes and moves what has become possible, until nothing more is.
   // Takes and drops `lock` around each piece of work.
   void work(std::unique_lock<std::mutex>& lock);
-  bool move_ready(const FrameMove& m) const;
+  bool move_ready(std::size_t i) const;
+  // Applies move i (with the lock released); hashes its source as it goes
+  // where the move hashes a range (fused_), and marks that range hashed.
+  void apply_move(std::size_t i, std::unique_lock<std::mutex>* lock);
   // The end of the landed run of bytes that contains `pos` (pos itself if none).
   std::uint64_t landed_end(std::uint64_t pos) const;
   bool all_landed(std::uint64_t begin, std::uint64_t end) const;
@@ -86,6 +104,7 @@ class Landing {
   char* frame_;
   std::vector<FrameRange> reads_;
   std::vector<FrameMove> moves_;
+  std::vector<int> fused_;  // per move: the range it hashes, or -1
   std::size_t next_move_ = 0;
   std::size_t moved_early_ = 0;
   std::vector<Range> ranges_;  // in the checksum's order

@@ -148,6 +148,8 @@ TEST_CASE("landing: moves done as the read lands leave every tensor where the pl
     }
     REQUIRE(sum.has_value());
     CHECK_EQ(*sum, frame_checksum(frame.data(), final_ranges));
+    // each move is one tensor's: it hashes that tensor as it moves it
+    CHECK_EQ(l.hashing_moves(), p.moves.size());
     if (in_order && round % 4 == 1 && p.moves.size() > 1) {
       CHECK(l.moved_early() > 0);  // one thread, in order: moves follow the read
     }
@@ -170,4 +172,39 @@ TEST_CASE("landing: a range some of whose bytes never landed gives no checksum")
   Landing unchecked(frame.data(), {{0, 10000}}, {}, {}, false);
   unchecked.landed(0, 10000);
   CHECK(!unchecked.finish().has_value());
+}
+
+TEST_CASE("landing: a moved tensor whose bytes did not all land is moved, and gives no checksum") {
+  // Three tensors of 2-byte items at odd offsets: each moves left. A chunk
+  // inside the second never lands (a failed read): finish() still moves
+  // every tensor, the ones that landed to their planned bytes, and the page
+  // has no checksum.
+  std::vector<TensorSource> t = {
+      {"a", 0, 9, 5000, 2}, {"b", 0, 5009, 7000, 2}, {"c", 0, 12009, 3001, 2}};
+  PagePlan p = plan_in_place(t, {15010 + 7});
+  REQUIRE(p.moves.size() == 3);
+  std::vector<char> source(p.frame_bytes, 0);
+  std::vector<FrameRange> reads, read_ranges;
+  for (const Extent& x : p.extents) {
+    for (std::uint64_t k = 0; k < x.length; ++k)
+      source[x.frame_offset + k] =
+          static_cast<char>(check::pattern_byte(x.file, x.file_offset + k));
+    reads.push_back({x.frame_offset, x.length});
+  }
+  for (std::size_t i = 0; i < t.size(); ++i)
+    read_ranges.push_back({p.tensors[i].read_offset, t[i].nbytes});
+  std::vector<char> frame(p.frame_bytes, 0);
+  Landing l(frame.data(), reads, p.moves, read_ranges, true);
+  std::uint64_t hole = p.tensors[1].read_offset + 1000, hole_len = 512;
+  std::uint64_t begin = reads.front().offset, end = reads.back().offset + reads.back().length;
+  std::memcpy(frame.data() + begin, source.data() + begin, hole - begin);
+  l.landed(begin, hole - begin);
+  std::memcpy(
+      frame.data() + hole + hole_len, source.data() + hole + hole_len, end - hole - hole_len);
+  l.landed(hole + hole_len, end - hole - hole_len);
+  CHECK(!l.finish().has_value());
+  for (std::size_t i : {0u, 2u}) {
+    CHECK(check::matches_pattern(
+        frame.data() + p.tensors[i].frame_offset, t[i].nbytes, t[i].file, t[i].offset));
+  }
 }
