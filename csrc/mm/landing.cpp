@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
+#include <unordered_map>
 
 namespace mlx_pager {
 
@@ -24,18 +25,23 @@ Landing::Landing(
   if (!checked_) {
     return;
   }
+  std::unordered_map<std::uint64_t, std::size_t> at;  // a range's offset -> its index
+  at.reserve(ranges_.size());
+  for (std::size_t k = 0; k < ranges_.size(); ++k) {
+    if (ranges_[k].length > 0) {  // an empty tensor shares its offset with the next
+      at.emplace(ranges_[k].offset, k);
+    }
+  }
   for (std::size_t i = 0; i < moves_.size(); ++i) {
     const FrameMove& m = moves_[i];
-    if (m.to >= m.from || m.length == 0) {
+    auto it = m.to < m.from && m.length > 0 ? at.find(m.from) : at.end();
+    if (it == at.end()) {
       continue;
     }
-    for (std::size_t k = 0; k < ranges_.size(); ++k) {
-      Range& r = ranges_[k];
-      if (r.offset == m.from && r.length == m.length && !r.by_move) {
-        r.by_move = true;
-        fused_[i] = static_cast<int>(k);
-        break;
-      }
+    Range& r = ranges_[it->second];
+    if (r.length == m.length && !r.by_move) {
+      r.by_move = true;
+      fused_[i] = static_cast<int>(it->second);
     }
   }
 }
