@@ -1,10 +1,12 @@
 // page_io.cpp: chunked parallel reads on a fixed set of I/O threads.
 #include "mm/page_io.h"
+#include "mm/thread_name.h"
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 
 namespace mlx_pager {
@@ -116,6 +118,7 @@ std::uint64_t PageIO::read_now(const ReadOp& op) {
 
 void PageIO::worker(int index) {
   t_io_thread = index;
+  name_this_thread(("mlxp-io-" + std::to_string(index)).c_str());
   for (;;) {
     Chunk c;
     FaultInjector injector;

@@ -31,6 +31,7 @@
 
 #include "mm/bug.h"
 #include "mm/pager.h"
+#include "mm/thread_name.h"
 
 namespace mlx_pager {
 
@@ -93,6 +94,7 @@ void Pager::readahead() {
 }
 
 void Pager::readahead_on_free() {
+  name_this_thread("mlxp-readahead");
   Accounting& a = *accounting_;
   for (;;) {
     {
