@@ -136,7 +136,7 @@ import types
 from pathlib import Path
 
 import targets
-from benchlib import READ_SETTINGS, Lockstep, dd_rate, read_rate, run_lockstep, run_worker
+from benchlib import READ_SETTINGS, Lockstep, cpu_steal_s, dd_rate, read_rate, run_lockstep, run_worker
 
 HERE = Path(__file__).resolve().parent
 PAIRS = 3  # (resident, pager 100%) pairs in lockstep per shape
@@ -315,6 +315,7 @@ def worker_mlx_lm(cfg):
     train, valid, _ = load_dataset(args, tok)
     reports = []
     lock = Lockstep.from_cfg(cfg)
+    steal = [cpu_steal_s()]  # at the last report: each step's steal is from there
 
     class CB(TrainingCallback):
         # In lockstep (run_lockstep): the token is taken after the first
@@ -323,15 +324,19 @@ def worker_mlx_lm(cfg):
         def on_val_loss_report(self, info):
             if lock:
                 lock.acquire()
+            steal[0] = cpu_steal_s()
 
         def on_train_loss_report(self, info):
-            reports.append(dict(info, t=time.perf_counter()))
+            now = cpu_steal_s()
+            reports.append(dict(info, t=time.perf_counter(), steal_s=None if now is None else now - steal[0]))
+            steal[0] = now
             if lock:
                 lock.turn()
 
     train_model(args, model, train, valid, CB())
     steps = [
         {"step_s": 1 / r["iterations_per_second"], "tokens_per_s": r["tokens_per_second"], "loss": r["train_loss"]}
+        | ({} if r["steal_s"] is None else {"steal_s": r["steal_s"]})
         for r in reports
     ]
     return {"steps": steps, "peak_rss": vm_hwm(), "mlx_peak": max(r["peak_memory"] for r in reports) * 1e9}
@@ -361,7 +366,7 @@ def step_marks_callback(lock: Lockstep = None):
         def on_step_begin(self, iteration, stats):
             if lock:
                 lock.acquire()
-            self.steps.append({"start": [time.perf_counter(), self.off(stats)], "marks": []})
+            self.steps.append({"start": [time.perf_counter(), self.off(stats)], "marks": [], "steal": cpu_steal_s()})
 
         def on_block(self, weights, phase, block):
             self.pager = weights.pager
@@ -373,6 +378,9 @@ def step_marks_callback(lock: Lockstep = None):
                 self.steps[-1]["end"] = [time.perf_counter(), self.off(self.pager.stats())]
                 self.steps[-1]["held"] = bool(record.get("tail_held"))
                 self.steps[-1]["window"] = list(record.get("window", (1, 0)))
+                steal = cpu_steal_s()
+                if steal is not None and self.steps[-1]["steal"] is not None:
+                    self.steps[-1]["steal_s"] = steal - self.steps[-1]["steal"]
             if lock:
                 lock.turn()
 
@@ -431,6 +439,11 @@ def worker_pager(cfg):
         }
         for s in res.steps
     ]
+    done = [m for m in marks.steps if "end" in m]
+    if len(done) == len(steps):
+        for st, m in zip(steps, done):
+            if "steal_s" in m:
+                st["steal_s"] = m["steal_s"]  # the host's, during the step (benchlib.cpu_steal_s)
     p = res.plan
     windows, window = by_window(steps, [m for m in marks.steps if "end" in m])
     return {
@@ -1094,6 +1107,11 @@ def bench_one(name, shape, a, out_dir):
             "steps_tokens_per_s": [st["tokens_per_s"] for st in r["steps"]],
             "steady": steady_indices(r["steps"]),
         }
+        steady = steady_steps(r["steps"])
+        if steady and all("steal_s" in st for st in steady):
+            # CPU seconds the host took from this machine during a step,
+            # summed over its CPUs: compute a resident row never lost
+            row["steal_s"] = med(cfg_name, "steal_s")
         if r.get("window", 1) > 1:
             # per window (by_window): each step's time, and the steps of
             # each window the row's figures count
@@ -1226,6 +1244,9 @@ def bench_one(name, shape, a, out_dir):
     ab = ab_summary(rows, a.ab_env)
     for line in ab.get("lines", []):
         print(line)
+    steal = steal_summary(rows)
+    if steal:
+        print(steal["line"])
     for v in violations:
         print(f"   BOUND VIOLATED: {v}")
     for row in rows:
@@ -1261,6 +1282,33 @@ def bench_one(name, shape, a, out_dir):
         "twice": twice["rows"],
         "nothing_paged_pairs": pairs,
         "ab": ab,
+        "steal": steal,
+    }
+
+
+def steal_summary(rows, least: float = 0.01) -> dict:
+    """The host's steal (benchlib.cpu_steal_s) per step of each row that
+    measured it, and per GB it read, where some row lost at least `least`
+    seconds a step: on a cloud VM the host may serve the virtual disk with
+    the cores it lends, so that reading takes compute from the steps that
+    read, which no bound of this machine's own counts. Empty where no row
+    lost that much (a Mac, bare metal, or nothing read)."""
+    have = [r for r in rows if r.get("steal_s") is not None]
+    if not any(r["steal_s"] >= least for r in have):
+        return {}
+    per_gb = {
+        r["config"]: r["steal_s"] / (r["bytes_per_step"] / 1e9) for r in have if (r.get("bytes_per_step") or 0) >= 1e7
+    }
+    cells = [
+        f"{r['config']} {r['steal_s']:.2f}s"
+        + (f" ({per_gb[r['config']]:.2f}s a GB read)" if r["config"] in per_gb else "")
+        for r in have
+    ]
+    return {
+        "per_step": {r["config"]: r["steal_s"] for r in have},
+        "per_gb": per_gb,
+        "line": "   host steal a step (CPU seconds the hypervisor took from this machine, all CPUs): "
+        + ", ".join(cells),
     }
 
 
@@ -1445,6 +1493,7 @@ COLUMNS = [
     ("vs MIN", 6, ".2f", "vs_belady", 1),
     ("I/O s", 6, ".2f", "io_wait_s", 1),
     ("comp s", 6, ".2f", "compute_s", 1),
+    ("steal s", 7, ".2f", "steal_s", 1),
     ("R GB/s", 6, ".2f", "disk_Bps", 1e-9),
     ("bound s", 7, ".2f", "bound_s", 1),
     ("vs bnd", 6, ".2f", "vs_bound", 1),

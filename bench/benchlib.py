@@ -18,6 +18,24 @@ import time
 from pathlib import Path
 
 
+def cpu_steal_s():
+    """Seconds of CPU time the hypervisor gave to others while this machine's
+    CPUs had work to run ("steal" in /proc/stat), summed over its CPUs,
+    since boot; None where there is no /proc/stat (macOS) or no such field.
+    A step's difference is what the host took from its compute: on a 2-vCPU
+    cloud VM, reading while both vCPUs compute costs about 0.45 s of steal a
+    GB, while reading alone costs none (the host serves the virtual disk on
+    the same cores), and a Mac has none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_worker(script: str, cfg: dict, cap: int = None) -> dict:
     """Runs `script --worker CFG` and returns the JSON after its RESULT line.
     `cap`: under a hard memory cgroup of that many bytes (the tests' own

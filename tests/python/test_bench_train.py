@@ -279,3 +279,19 @@ def test_ab_rows_give_the_mean_step_with_the_variables_over_without():
     assert "OPENBLAS_THREAD_TIMEOUT=4" in ab["lines"][0] and "0.909x" in ab["lines"][1]
     assert "reads 1.55 -> 1.75GB/s" in ab["lines"][1]
     assert bench_train.ab_summary(rows, {}) == {}
+
+
+def test_steal_gives_each_rows_host_steal_a_step_and_a_gb_read():
+    rows = [
+        {"config": "mlx-lm", "steal_s": 0.0},
+        {"config": "pager 100%", "steal_s": 0.002, "bytes_per_step": 0.0},
+        {"config": "pager 25%", "steal_s": 0.45, "bytes_per_step": 0.9e9},
+        {"config": "naive"},  # measured nothing (no /proc/stat): left out
+    ]
+    st = bench_train.steal_summary(rows)
+    assert st["per_step"] == {"mlx-lm": 0.0, "pager 100%": 0.002, "pager 25%": 0.45}
+    assert list(st["per_gb"]) == ["pager 25%"] and abs(st["per_gb"]["pager 25%"] - 0.5) < 1e-12
+    assert "pager 25% 0.45s (0.50s a GB read)" in st["line"] and "naive" not in st["line"]
+    # No row lost a hundredth of a second a step: no line.
+    assert bench_train.steal_summary([dict(r, steal_s=0.001) for r in rows[:3]]) == {}
+    assert bench_train.steal_summary(rows[3:]) == {}

@@ -1,14 +1,16 @@
 """bench/benchlib.py: two workers in lockstep take turns, one step each,
 never at once, the first's first; a partner that exits holds nothing back;
-a configuration's environment variables reach its worker alone."""
+a configuration's environment variables reach its worker alone; the host's
+steal is read from /proc/stat, and is None where there is none."""
 
+import builtins
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from benchlib import run_lockstep, run_worker  # noqa: E402
+from benchlib import cpu_steal_s, run_lockstep, run_worker  # noqa: E402
 
 WORKER = """
 import json, sys, time
@@ -80,3 +82,21 @@ def test_a_configurations_env_reaches_its_worker_alone(tmp_path, monkeypatch):
     a, b = run_lockstep(str(script), dict(name="a", env={"MLX_PAGER_AB_PROBE": "4"}), dict(name="b"))
     assert (a["value"], b["value"]) == ("4", None)
     assert "MLX_PAGER_AB_PROBE" not in __import__("os").environ
+
+
+def test_steal_is_procs_eighth_field_in_seconds_or_none_without_it(monkeypatch, tmp_path):
+    import os
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 900 3 0 1 250 0 0\ncpu0 50 0 25 450 1 0 0 125 0 0\n")
+    real_open = builtins.open
+
+    def fake(path, *a, **k):
+        return real_open(stat if path == "/proc/stat" else path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", fake)
+    assert cpu_steal_s() == 250 / os.sysconf("SC_CLK_TCK")
+    stat.write_text("cpu  100 0 50 900\n")  # a kernel without the field
+    assert cpu_steal_s() is None
+    stat.unlink()  # no /proc/stat (macOS)
+    assert cpu_steal_s() is None
