@@ -720,3 +720,31 @@ def test_the_bound_can_be_out_of_reach_where_the_policy_is_not():
     assert opt.step_s > 1.2 * bound
     chosen = sim.choose_readahead(acc, fp, budget, disk)
     assert opt.step_s <= chosen.step_s <= 1.05 * opt.step_s
+
+
+def test_next_use_table_gives_what_bisecting_the_positions_gives():
+    # The tabled next use (O(1) a query) and the bisected one (past
+    # TABLE_MAX_ENTRIES) agree at every position of random cyclic orders;
+    # a page the order never uses has no row.
+    rng = random.Random(5)
+    for _ in range(50):
+        n = rng.randint(1, 9)
+        order = [rng.randrange(n) for _ in range(rng.randint(1, 40))]
+        table = sim._next_use_table(order, n + 1)
+        positions = [[i for i, p in enumerate(order) if p == q] for q in range(n + 1)]
+        for q in range(n + 1):
+            if not positions[q]:
+                assert table[q] is None
+                continue
+            bis = sim._Bisected(positions[q], len(order))
+            assert [table[q][i] for i in range(len(order))] == [bis[i] for i in range(len(order))]
+            for i in range(len(order)):  # the next use itself, by a scan
+                d = next(k for k in range(2 * len(order)) if order[(i + k) % len(order)] == q)
+                assert table[q][i] == d
+    assert sim._next_use_table(list(range(8)) * 4, 8) is not None
+    old = sim.TABLE_MAX_ENTRIES
+    try:
+        sim.TABLE_MAX_ENTRIES = 8 * 32 - 1
+        assert sim._next_use_table(list(range(8)) * 4, 8) is None  # over the cap: bisect
+    finally:
+        sim.TABLE_MAX_ENTRIES = old
