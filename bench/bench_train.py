@@ -129,6 +129,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -1244,7 +1245,7 @@ def bench_one(name, shape, a, out_dir):
     ab = ab_summary(rows, a.ab_env)
     for line in ab.get("lines", []):
         print(line)
-    steal = steal_summary(rows)
+    steal = steal_summary(rows, compute, os.cpu_count() or 1)
     if steal:
         print(steal["line"])
     for v in violations:
@@ -1286,29 +1287,44 @@ def bench_one(name, shape, a, out_dir):
     }
 
 
-def steal_summary(rows, least: float = 0.01) -> dict:
+def steal_summary(rows, compute=None, cpus: int = 1, least: float = 0.01) -> dict:
     """The host's steal (benchlib.cpu_steal_s) per step of each row that
     measured it, and per GB it read, where some row lost at least `least`
     seconds a step: on a cloud VM the host may serve the virtual disk with
     the cores it lends, so that reading takes compute from the steps that
-    read, which no bound of this machine's own counts. Empty where no row
-    lost that much (a Mac, bare metal, or nothing read)."""
+    read, which no bound of this machine's own counts. With `compute`
+    (resident mlx-lm's step): each pager row also against its bound whose
+    compute adds its steal spread over the `cpus` CPUs (the least it can
+    cost a step: the CPU time no program in this machine can get back).
+    Empty where no row lost that much (a Mac, bare metal, or nothing read)."""
     have = [r for r in rows if r.get("steal_s") is not None]
     if not any(r["steal_s"] >= least for r in have):
         return {}
     per_gb = {
         r["config"]: r["steal_s"] / (r["bytes_per_step"] / 1e9) for r in have if (r.get("bytes_per_step") or 0) >= 1e7
     }
+    vs = {}
+    if compute:
+        for r in have:
+            if r.get("disk_Bps") and r.get("belady_bytes") is not None:
+                bound = max(r["belady_bytes"] / r["disk_Bps"], compute + r["steal_s"] / cpus)
+                vs[r["config"]] = r["step_s"] / bound
     cells = [
         f"{r['config']} {r['steal_s']:.2f}s"
         + (f" ({per_gb[r['config']]:.2f}s a GB read)" if r["config"] in per_gb else "")
         for r in have
     ]
+    line = "   host steal a step (CPU seconds the hypervisor took from this machine, all CPUs): " + ", ".join(cells)
+    if vs:
+        line += (
+            f"\n   vs the bound with the steal in its compute (resident {compute:.2f}s + steal / {cpus} CPUs): "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in vs.items())
+        )
     return {
         "per_step": {r["config"]: r["steal_s"] for r in have},
         "per_gb": per_gb,
-        "line": "   host steal a step (CPU seconds the hypervisor took from this machine, all CPUs): "
-        + ", ".join(cells),
+        "vs_steal_bound": vs,
+        "line": line,
     }
 
 

@@ -292,6 +292,17 @@ def test_steal_gives_each_rows_host_steal_a_step_and_a_gb_read():
     assert st["per_step"] == {"mlx-lm": 0.0, "pager 100%": 0.002, "pager 25%": 0.45}
     assert list(st["per_gb"]) == ["pager 25%"] and abs(st["per_gb"]["pager 25%"] - 0.5) < 1e-12
     assert "pager 25% 0.45s (0.50s a GB read)" in st["line"] and "naive" not in st["line"]
+    assert st["vs_steal_bound"] == {}  # no resident compute: no bound
+    # Held to resident compute plus the steal over the CPUs (or MIN's bytes
+    # at R, where that is longer).
+    rows[2].update(step_s=1.2, belady_bytes=0.9e9, disk_Bps=3e9)
+    rows[1].update(step_s=0.7, belady_bytes=0.0, disk_Bps=3e9)
+    st = bench_train.steal_summary(rows, compute=0.7, cpus=2)
+    assert abs(st["vs_steal_bound"]["pager 25%"] - 1.2 / (0.7 + 0.225)) < 1e-12
+    assert abs(st["vs_steal_bound"]["pager 100%"] - 0.7 / 0.701) < 1e-12
+    assert "pager 25% 1.30x" in st["line"]
+    rows[2].update(belady_bytes=3.3e9)  # read-bound: 1.1 s at R
+    assert abs(bench_train.steal_summary(rows, 0.7, 2)["vs_steal_bound"]["pager 25%"] - 1.2 / 1.1) < 1e-12
     # No row lost a hundredth of a second a step: no line.
     assert bench_train.steal_summary([dict(r, steal_s=0.001) for r in rows[:3]]) == {}
     assert bench_train.steal_summary(rows[3:]) == {}
