@@ -446,14 +446,14 @@ def worker_pager(cfg):
             if "steal_s" in m:
                 st["steal_s"] = m["steal_s"]  # the host's, during the step (benchlib.cpu_steal_s)
     p = res.plan
-    windows, window = by_window(steps, [m for m in marks.steps if "end" in m])
+    windows, window = by_window(steps, done)
     return {
         # per window of the frozen prefix (by_window): one step, or the
         # mean of the window's steps
         "steps": windows,
         "step_records": steps,
         "window": window,
-        "marks": [m for m in marks.steps if "end" in m],
+        "marks": done,
         "peak_rss": vm_hwm(),
         "mlx_peak": max(s["mlx_peak"] for s in steps),
         "budget": p.budget,
