@@ -6,60 +6,105 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <system_error>
 
-#define XXH_INLINE_ALL
-#include "third_party/xxhash/xxhash.h"
+#include "mm/xxh3_kernels.h"
 
 namespace mlx_pager {
 
+namespace {
+
+bool cpu_runs_avx2() {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  // Also checks that the OS saves the AVX registers (XGETBV).
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
+const MlxpXxh3Kernels* choose_kernels() {
+  const MlxpXxh3Kernels* portable = mlxp_xxh3_portable();
+  const MlxpXxh3Kernels* avx2 = mlxp_xxh3_avx2();
+  const char* want = std::getenv("MLX_PAGER_XXH3");
+  std::string w = want == nullptr ? "" : want;
+  if (w == "portable") {
+    return portable;
+  }
+  if (!w.empty() && w != "auto" && w != "avx2") {
+    throw std::invalid_argument(
+        "MLX_PAGER_XXH3=" + w + ": not a hash build; use auto (the default), avx2 or portable");
+  }
+  bool runs = avx2 != nullptr && cpu_runs_avx2();
+  if (w == "avx2" && !runs) {
+    throw std::invalid_argument(
+        std::string("MLX_PAGER_XXH3=avx2: ") +
+        (avx2 == nullptr ? "this build has no AVX2 hash (not x86-64)" : "this CPU does not run AVX2") +
+        "; unset it or use portable");
+  }
+  return runs ? avx2 : portable;
+}
+
+const MlxpXxh3Kernels& kernels() {
+  static const MlxpXxh3Kernels* k = choose_kernels();
+  return *k;
+}
+
+}  // namespace
+
+const char* xxh3_build() {
+  return kernels().name;
+}
+
 std::uint64_t xxh3(const void* data, std::size_t n) {
-  return XXH3_64bits(data, n);
+  return kernels().hash(data, n);
 }
 
 std::uint64_t combine_digests(const std::vector<std::uint64_t>& digests) {
-  return XXH3_64bits(digests.data(), digests.size() * sizeof(std::uint64_t));
+  return kernels().hash(digests.data(), digests.size() * sizeof(std::uint64_t));
 }
 
 std::uint64_t frame_checksum(const char* data, const std::vector<FrameRange>& ranges) {
   std::vector<std::uint64_t> d;
   d.reserve(ranges.size());
   for (const FrameRange& r : ranges) {
-    d.push_back(XXH3_64bits(data + r.offset, r.length));
+    d.push_back(kernels().hash(data + r.offset, r.length));
   }
   return combine_digests(d);
 }
 
-Hasher::Hasher() : state_(XXH3_createState()) {
+Hasher::Hasher() : state_(mlxp_xxh3_create_state()) {
   if (state_ == nullptr) {
     throw std::bad_alloc();
   }
-  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
 }
 
 Hasher::~Hasher() {
-  XXH3_freeState(static_cast<XXH3_state_t*>(state_));
+  mlxp_xxh3_free_state(state_);
 }
 
 void Hasher::update(const void* data, std::size_t n) {
-  auto* s = static_cast<XXH3_state_t*>(state_);
+  const MlxpXxh3Kernels& k = kernels();
   if (data != nullptr) {
-    XXH3_64bits_update(s, data, n);
+    k.update(state_, data, n);
     return;
   }
   static const char zeros[4096] = {};
   while (n > 0) {
-    std::size_t k = std::min(n, sizeof(zeros));
-    XXH3_64bits_update(s, zeros, k);
-    n -= k;
+    std::size_t m = std::min(n, sizeof(zeros));
+    k.update(state_, zeros, m);
+    n -= m;
   }
 }
 
 std::uint64_t Hasher::digest() const {
-  return XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_));
+  return kernels().digest(state_);
 }
 
 FileDigest hash_file(

@@ -10,7 +10,8 @@
 //    checksum is combined from), both in one sequential pass (hash_file).
 // The pager hashes a page as its read lands, on the I/O threads, with its
 // lock released (landing.h), and compares when the read completes
-// (fault.cpp); a mismatch is checked again here, the slow way.
+// (fault.cpp); a mismatch is checked again here, the slow way. XXH3 runs on
+// AVX2 where the CPU has it (xxh3_kernels.h).
 #pragma once
 
 #include <cstddef>
@@ -27,6 +28,14 @@ struct FrameRange {
 };
 
 std::uint64_t xxh3(const void* data, std::size_t n);
+
+// Which XXH3 build hashes (xxh3_kernels.h): "avx2" where this CPU runs it,
+// else "portable" (the compiler's default for the target: SSE2 on x86-64,
+// NEON on arm64). The environment variable MLX_PAGER_XXH3=portable forces
+// the portable build (to compare them); avx2 asks for AVX2 and fails where
+// it cannot run; any other value is an error (std::invalid_argument, at the
+// first hash). Chosen once, at the first hash.
+const char* xxh3_build();
 
 // The checksum of a page from its ranges' own XXH3s, in order.
 std::uint64_t combine_digests(const std::vector<std::uint64_t>& digests);

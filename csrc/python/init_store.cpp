@@ -103,4 +103,8 @@ void init_store(nb::module_& m) {
   m.def(
       "combine_digests", [](const std::vector<std::uint64_t>& d) { return combine_digests(d); },
       "digests"_a, "A page checksum from its tensors' XXH3s, in order.");
+  m.def(
+      "xxh3_build", []() { return std::string(xxh3_build()); },
+      "Which XXH3 build hashes: 'avx2' where the CPU runs it, else 'portable' "
+      "(MLX_PAGER_XXH3=portable forces it).");
 }

@@ -243,3 +243,33 @@ def test_a_freed_frame_is_kept_for_the_next_read_and_can_be_dropped(tmp_path):
     assert p.drop_kept_frame() == kept
     assert p.kept_frame_bytes() == 0
     assert p.drop_kept_frame() == 0
+
+
+def _hash_in_a_process(xxh3_env):
+    """hash_file of a fixed file and xxh3_build(), in a fresh process (the
+    build is chosen once a process) with MLX_PAGER_XXH3 set to xxh3_env."""
+    import subprocess
+
+    env = dict(os.environ, MLX_PAGER_XXH3=xxh3_env)
+    code = (
+        "import os, tempfile\n"
+        "from mlx_pager._core import hash_file, xxh3_build\n"
+        "p = os.path.join(tempfile.mkdtemp(), 'f')\n"
+        "open(p, 'wb').write(bytes(range(256)) * 40000 + b'tail')\n"
+        "print(hash_file(p, [(3, 1000), (5000, 4000000)]), xxh3_build())\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_every_xxh3_build_gives_the_same_digests_and_a_bad_choice_is_named():
+    from mlx_pager._core import xxh3_build
+
+    auto, portable = _hash_in_a_process("auto"), _hash_in_a_process("portable")
+    assert auto.returncode == 0 and portable.returncode == 0, auto.stderr + portable.stderr
+    *digests_auto, build_auto = auto.stdout.split()
+    *digests_portable, build_portable = portable.stdout.split()
+    assert build_portable == "portable" and build_auto == xxh3_build()
+    assert digests_auto == digests_portable  # swap caches keyed by them stay valid
+    bad = _hash_in_a_process("sse9")
+    assert bad.returncode != 0
+    assert "MLX_PAGER_XXH3=sse9" in bad.stderr and "auto (the default), avx2 or portable" in bad.stderr

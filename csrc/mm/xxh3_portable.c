@@ -1,0 +1,19 @@
+/* xxh3_portable.c: XXH3 for the compiler's default instruction set
+ * (xxh3_kernels.h), and the streaming state every build shares. */
+#include "mm/xxh3_kernels.h"
+
+#define MLXP_XXH3_NAME "portable"
+#define MLXP_XXH3_GETTER mlxp_xxh3_portable
+#include "mm/xxh3_kernels.inc"
+
+void* mlxp_xxh3_create_state(void) {
+  XXH3_state_t* s = XXH3_createState();
+  if (s != NULL) {
+    XXH3_64bits_reset(s);
+  }
+  return s;
+}
+
+void mlxp_xxh3_free_state(void* state) {
+  XXH3_freeState((XXH3_state_t*)state);
+}
