@@ -12,7 +12,7 @@ status=0
 
 if command -v "$CLANG_FORMAT" > /dev/null; then
   echo "=== clang-format ($("$CLANG_FORMAT" --version | head -1))"
-  git ls-files -z 'csrc/*.h' 'csrc/*.cpp' 'tests/cpp/*.h' 'tests/cpp/*.cpp' ':!csrc/third_party/*' |
+  git ls-files -z 'csrc/*.h' 'csrc/*.c' 'csrc/*.cpp' 'tests/cpp/*.h' 'tests/cpp/*.cpp' ':!csrc/third_party/*' |
     xargs -0 "$CLANG_FORMAT" --dry-run -Werror || status=1
 elif [ "${CI:-}" = true ]; then
   echo "lint: clang-format is missing (scripts/system-deps.sh --ci installs it)" >&2

@@ -45,7 +45,8 @@ const MlxpXxh3Kernels* choose_kernels() {
   if (w == "avx2" && !runs) {
     throw std::invalid_argument(
         std::string("MLX_PAGER_XXH3=avx2: ") +
-        (avx2 == nullptr ? "this build has no AVX2 hash (not x86-64)" : "this CPU does not run AVX2") +
+        (avx2 == nullptr ? "this build has no AVX2 hash (not x86-64)"
+                         : "this CPU does not run AVX2") +
         "; unset it or use portable");
   }
   return runs ? avx2 : portable;
