@@ -204,6 +204,7 @@ def test_min_evicts_before_next_use_is_min_run_on():
         for i in rng.sample(range(n), n):
             if charged + fp[i] <= s.budget and rng.random() < 0.6:
                 s.state[i] = sim.RESIDENT
+                s._index_charged(i)
                 charged += fp[i]
         for q in range(n):
             if s.state[q] == sim.RESIDENT:
@@ -748,3 +749,47 @@ def test_next_use_table_gives_what_bisecting_the_positions_gives():
         assert sim._next_use_table(list(range(8)) * 4, 8) is None  # over the cap: bisect
     finally:
         sim.TABLE_MAX_ENTRIES = old
+
+
+def test_the_choices_memos_give_what_computing_afresh_gives(monkeypatch):
+    # The MIN answers shared by every simulation of one schedule and budget,
+    # and the readahead window kept per cursor position, answer what a fresh
+    # MIN run and a fresh scan of the schedule answer, at every call of the
+    # automatic choice, both modes, whole blocks and parts.
+    calls = {"min": 0, "ahead": 0}
+    memoized_min, memoized_ahead = sim._Sim.min_evicts_before_next_use, sim._Sim._ahead
+
+    def checked_min(self, q):
+        got = memoized_min(self, q)
+        until = self.next_use(q, self.cursor)
+        assert got == (True if until == sim.NEVER else self._min_evicts(q, until))
+        calls["min"] += 1
+        return got
+
+    def checked_ahead(self, at):
+        got = memoized_ahead(self, at)
+        want, seen = [], set()
+        for k in range(self.S):
+            p = self.order[(at + k) % self.S]
+            if p not in seen and len(want) < self.depth:
+                seen.add(p)
+                want.append(p)
+        assert got == want
+        calls["ahead"] += 1
+        return got
+
+    monkeypatch.setattr(sim._Sim, "min_evicts_before_next_use", checked_min)
+    monkeypatch.setattr(sim._Sim, "_ahead", checked_ahead)
+    rng = random.Random(11)
+    for i in range(12):
+        acc, fp, budget, disk = random_instance(rng)
+        if i % 2:  # each block in two pages, the second read inside the first's graph
+            acc = [
+                sim.Access((2 * p + k,), hold_s=a.hold_s / 2, gap_s=a.gap_s if k == 0 else 0.0, overlaps=k > 0)
+                for a in acc
+                for p in a.pages
+                for k in (0, 1)
+            ]
+            fp = [f // 2 for f in fp for _ in (0, 1)]
+        sim.choose_readahead(acc, fp, budget, disk, unit=2 if i % 2 else 1)
+    assert calls["min"] > 100 and calls["ahead"] > 100
