@@ -15,6 +15,12 @@
 // 1.57-1.99 GB/s a run with 4 KiB pages, 2.40-2.50 with huge pages, its
 // step 0.73-0.91 s against 0.60-0.62 s.
 //
+// Frames filled from the page pool (page_pool.h) are not huge pages: its
+// mremap moves between addresses of different 2 MB phase split them (22-37
+// MB of AnonHugePages in ~590 MB resident, read shape at 25%). A split huge
+// page keeps its physical memory contiguous, which is what the read rate
+// depends on; the step was no faster with the pool off and every frame huge.
+//
 // advise_huge_pages() asks for huge pages on the whole huge pages inside a
 // range, before anything touches it (the fault then maps a huge page), and
 // never outside the range: the bytes at its ends stay in small pages, so a
