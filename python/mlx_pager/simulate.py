@@ -549,9 +549,12 @@ class _Sim:
                     self.evict(min(ok, key=key))
                     continue
                 evicted = False
-                # In victim order, the first of equals first (nsmallest is
-                # sorted()'s prefix: what taking the min again and again gives).
-                for q in heapq.nsmallest(IDLE_VICTIM_TRIES if self.optimal else 0, ok, key=key):
+                # In victim order, the first of equals first (the index in
+                # the tuple: what taking the min again and again gives).
+                ranked = [(*key(c), j, c) for j, c in enumerate(ok)] if self.optimal else []
+                heapq.heapify(ranked)
+                for _ in range(min(IDLE_VICTIM_TRIES, len(ranked))):
+                    q = heapq.heappop(ranked)[-1]
                     if self.min_evicts_before_next_use(q):
                         self.evict(q)
                         self.c["readahead_idle_evictions"] += 1
