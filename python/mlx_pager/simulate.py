@@ -241,20 +241,20 @@ def _next_use_table(order: Sequence[int], n: int) -> Optional[list]:
     return table
 
 
-_MIN_MEMOS: Dict[tuple, dict] = {}  # _Sim's MIN answers, the last two by (order, footprints, budget, priorities)
-MIN_MEMO_MAX_ENTRIES = 1 << 16
+_MIN_MEMOS: Dict[tuple, dict] = {}  # _Sim's MIN answers, the last by (order, footprints, budget, priorities)
+MIN_MEMO_MAX_ENTRIES = 1 << 14  # ~4 MB at most (the simulator runs inside the training's budget)
 
 
 def _min_memo(order, footprints, budget, priorities) -> dict:
     """A memo of min_evicts_before_next_use's answers, shared by every
     simulation of one schedule under one budget: the automatic choice
     simulates a dozen settings whose states meet (a 64-block model in 4
-    parts a block: 7759 MIN runs, 1773 once shared; 9.1 s against 6.2)."""
+    parts a block: 7759 MIN runs, 1773 once shared; 9.1 s against 6.2).
+    choose_readahead lets it go when it returns."""
     key = (tuple(order), tuple(footprints), budget, tuple(priorities))
     memo = _MIN_MEMOS.get(key)
     if memo is None:
-        if len(_MIN_MEMOS) >= 2:
-            _MIN_MEMOS.pop(next(iter(_MIN_MEMOS)))
+        _MIN_MEMOS.clear()
         memo = _MIN_MEMOS[key] = {}
     return memo
 
@@ -1066,10 +1066,13 @@ def choose_readahead(
     reads a block's later parts just in time, which the simulator, holding
     one page per access, sees as overlap it is not.)"""
     n = len({p for a in accesses for p in a.pages})
-    preds = [
-        simulate(accesses, footprints, budget, disk, s, steps=steps, warmup=warmup, read_bytes=read_bytes)
-        for s in _space(n, candidate_depths(n, unit), (policy,))
-    ]
+    try:
+        preds = [
+            simulate(accesses, footprints, budget, disk, s, steps=steps, warmup=warmup, read_bytes=read_bytes)
+            for s in _space(n, candidate_depths(n, unit), (policy,))
+        ]
+    finally:
+        _MIN_MEMOS.clear()  # training goes on: its memory back
     return _pick(preds, min_bytes_per_step(accesses, footprints, budget, read_bytes, steps, warmup), max_extra)
 
 
