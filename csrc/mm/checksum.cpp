@@ -20,15 +20,6 @@ namespace mlx_pager {
 
 namespace {
 
-bool cpu_runs_avx2() {
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-  // Also checks that the OS saves the AVX registers (XGETBV).
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
-
 const MlxpXxh3Kernels* choose_kernels() {
   const MlxpXxh3Kernels* portable = mlxp_xxh3_portable();
   const MlxpXxh3Kernels* avx2 = mlxp_xxh3_avx2();
@@ -41,7 +32,7 @@ const MlxpXxh3Kernels* choose_kernels() {
     throw std::invalid_argument(
         "MLX_PAGER_XXH3=" + w + ": not a hash build; use auto (the default), avx2 or portable");
   }
-  bool runs = avx2 != nullptr && cpu_runs_avx2();
+  bool runs = avx2 != nullptr && mlxp_cpu_runs_avx2() != 0;
   if (w == "avx2" && !runs) {
     throw std::invalid_argument(
         std::string("MLX_PAGER_XXH3=avx2: ") +

@@ -36,8 +36,12 @@ typedef struct MlxpXxh3Kernels {
 /* The compiler's default build for this target; always there. */
 const MlxpXxh3Kernels* mlxp_xxh3_portable(void);
 /* The AVX2 build, or NULL where none was built (not x86-64). The caller
- * checks that the CPU runs AVX2 before calling any of it. */
+ * checks that the CPU runs AVX2 (mlxp_cpu_runs_avx2) before calling any of
+ * it. */
 const MlxpXxh3Kernels* mlxp_xxh3_avx2(void);
+/* Whether this CPU runs AVX2 and the OS saves its registers (x86-64 with
+ * GCC or Clang; 0 elsewhere). */
+int mlxp_cpu_runs_avx2(void);
 
 /* A reset streaming state (free with mlxp_xxh3_free_state), NULL when out of
  * memory. */

@@ -17,3 +17,11 @@ void* mlxp_xxh3_create_state(void) {
 void mlxp_xxh3_free_state(void* state) {
   XXH3_freeState((XXH3_state_t*)state);
 }
+
+int mlxp_cpu_runs_avx2(void) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  return __builtin_cpu_supports("avx2"); /* XGETBV included */
+#else
+  return 0;
+#endif
+}

@@ -522,8 +522,6 @@ class _Sim:
                 def key(c, later=later):
                     return (prio[c], -later[c], last[c])
 
-                if not cands:
-                    return False
                 # The first of the least keys (the index breaks ties, as
                 # min over the list in order does).
                 pick = min((prio[c], -later[c], last[c], j) for j, c in enumerate(cands))[3]
@@ -533,8 +531,6 @@ class _Sim:
                 def key(c):
                     return (prio[c], last[c])
 
-                if not cands:
-                    return False
                 pick = min((prio[c], last[c], j) for j, c in enumerate(cands))[2]
             if pick >= len(idle) or self._nu_at(cands[pick], cur) <= when:
                 # MIN's choice is busy, or needed no later than this page: the

@@ -13,17 +13,9 @@
 
 namespace {
 
-bool cpu_runs_avx2() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
-
 std::vector<const MlxpXxh3Kernels*> builds() {
   std::vector<const MlxpXxh3Kernels*> b = {mlxp_xxh3_portable()};
-  if (mlxp_xxh3_avx2() != nullptr && cpu_runs_avx2()) {
+  if (mlxp_xxh3_avx2() != nullptr && mlxp_cpu_runs_avx2()) {
     b.push_back(mlxp_xxh3_avx2());
   }
   return b;
@@ -87,9 +79,9 @@ TEST_CASE("xxh3_kernels: every build gives XXH3's digests, one-shot and streamed
 TEST_CASE("xxh3_kernels: the pager hashes with the best build the CPU runs") {
   const char* env = std::getenv("MLX_PAGER_XXH3");
   std::string forced = env == nullptr ? "" : env;
-  std::string want = forced == "portable"                ? "portable"
-      : (mlxp_xxh3_avx2() != nullptr && cpu_runs_avx2()) ? "avx2"
-                                                         : "portable";
+  std::string want = forced == "portable"                     ? "portable"
+      : (mlxp_xxh3_avx2() != nullptr && mlxp_cpu_runs_avx2()) ? "avx2"
+                                                              : "portable";
   CHECK_EQ(std::string(mlx_pager::xxh3_build()), want);
   std::vector<char> a(5000, 3);
   CHECK_EQ(mlx_pager::xxh3(a.data(), a.size()), mlxp_xxh3_portable()->hash(a.data(), a.size()));
