@@ -121,7 +121,10 @@ Reports tokens/s, step time (median after the first step; for 'pager' rows
 of the steps that ran the trainer's readahead choice) beside the
 predicted one, peak RSS and MLX peak, bytes read per step and their ratio to
 Belady's minimum, I/O wait, and the ratio to the bound; writes results.json
-and results.png to --out.
+and results.png to --out, and for each shape raw-SHAPE.json: every row's
+figures as its worker returned them (per-step records, on_block marks, page
+sizes, settings) and the shape's R, from which a later look can simulate a
+row again (measured_accesses, pager_figures) without running it again.
 """
 
 from __future__ import annotations
@@ -1080,6 +1083,10 @@ def bench_one(name, shape, a, out_dir):
         default=(0.0, None),
     )
     R = max(R_reads, R_steps)
+    # Every row's own figures as its worker returned them (per-step records,
+    # on_block marks, page sizes, settings): what a later look at this run
+    # needs to simulate its rows again without running them again.
+    (out_dir / f"raw-{name}.json").write_text(json.dumps(dict(R=R, results=results)))
 
     def med(cfg, key):
         if cfg not in results:
