@@ -59,9 +59,10 @@ class Row:
     best_s: Optional[float]  # None where the search is not run
 
 
-def resimulate_row(r: dict, R: float, io_threads: int = bench_train.IO_THREADS) -> Row:
-    """One pager row of a raw-SHAPE.json (a worker's result) at the shape's
-    R; every time is per step (a window's share where the prefix runs ahead)."""
+def resimulate_row(r: dict, R: float, config: str = "", io_threads: int = bench_train.IO_THREADS) -> Row:
+    """One pager row of a raw-SHAPE.json (a worker's result, named `config`)
+    at the shape's R; every time is per step (a window's share where the
+    prefix runs ahead)."""
     acc = bench_train.measured_accesses(r)
     if not acc:
         raise ValueError(f"{r.get('report', 'row')}: no complete training step was recorded")
@@ -86,7 +87,7 @@ def resimulate_row(r: dict, R: float, io_threads: int = bench_train.IO_THREADS) 
         o = simulate.offline_best(acc, fp, budget, rate, read_bytes=rb, width=bench_train.OPT_WIDTH)
         best = o.step_s / per if o is not None else None
     return Row(
-        config=r.get("config", ""),
+        config=config,
         ran=ran,
         step_s=statistics.median(s["step_s"] for s in bench_train.steady_steps(r["steps"])),
         rate=rate,
@@ -106,7 +107,7 @@ def resimulate(raw: dict, rows=None):
             continue  # not a pager row, or no step recorded
         if rows and not any(name.startswith(x) for x in rows):
             continue
-        out.append(Row(**{**resimulate_row(r, raw["R"]).__dict__, "config": name}))
+        out.append(resimulate_row(r, raw["R"], config=name))
     return out
 
 
