@@ -59,42 +59,36 @@ class Row:
     best_s: Optional[float]  # None where the search is not run
 
 
-def resimulate_row(r: dict, R: float, config: str = "", io_threads: int = bench_train.IO_THREADS) -> Row:
+def resimulate_row(r: dict, R: float, config: str = "") -> Row:
     """One pager row of a raw-SHAPE.json (a worker's result, named `config`)
     at the shape's R; every time is per step (a window's share where the
-    prefix runs ahead)."""
-    acc = bench_train.measured_accesses(r)
-    if not acc:
-        raise ValueError(f"{r.get('report', 'row')}: no complete training step was recorded")
-    fp, rb, budget = r["page_footprints"], r["page_read_bytes"], r["page_budget"]
-    unit = bench_train.pages_per_block(r)
-    per = r.get("window", 1)
+    prefix runs ahead). The prediction and the search's best are the
+    bench's own (bench_train.pager_figures), here both at the rate the row's
+    reads got."""
     rate = bench_train.busy_read_rate(r, steady=True) or R
-    disk = simulate.Disk(rate, io_threads)
+    fig = bench_train.pager_figures(r, rate, rate, None)
+    acc, per, unit = fig["accesses"], r.get("window", 1), bench_train.pages_per_block(r)
+    fp, rb, budget = r["page_footprints"], r["page_read_bytes"], r["page_budget"]
     depth, mode, policy = r["settings"]
-    ran = simulate.Settings(round(depth * unit), mode, policy)
-    predicted = simulate.simulate(acc, fp, budget, disk, ran, read_bytes=rb)
+    disk = simulate.Disk(rate, bench_train.IO_THREADS)
 
     def choice(at):
-        c = simulate.choose_readahead(acc, fp, budget, simulate.Disk(at, io_threads), policy, unit=unit, read_bytes=rb)
+        c = simulate.choose_readahead(
+            acc, fp, budget, simulate.Disk(at, bench_train.IO_THREADS), policy, unit=unit, read_bytes=rb
+        )
         if at != rate:
             c = simulate.simulate(acc, fp, budget, disk, c.settings, read_bytes=rb)
         return Choice(c.settings, c.step_s / per)
 
-    best = None
-    whole = unit == 1 and all(len(a.pages) == 1 for a in acc)
-    if whole or len(fp) <= bench_train.OPT_PARTS_MAX_PAGES:
-        o = simulate.offline_best(acc, fp, budget, rate, read_bytes=rb, width=bench_train.OPT_WIDTH)
-        best = o.step_s / per if o is not None else None
     return Row(
         config=config,
-        ran=ran,
+        ran=simulate.Settings(round(depth * unit), mode, policy),
         step_s=statistics.median(s["step_s"] for s in bench_train.steady_steps(r["steps"])),
         rate=rate,
-        predicted_s=predicted.step_s / per,
+        predicted_s=fig["predicted"].step_s,
         choice_at_R=choice(R),
         choice_at_rate=choice(rate),
-        best_s=best,
+        best_s=fig["optimum"].step_s if fig["optimum"] is not None else None,
     )
 
 

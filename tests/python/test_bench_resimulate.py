@@ -39,7 +39,7 @@ def row(blocks=6, budget_pages=2, hold=0.01, rate=1e9, steps=5, window=1):
         marks = each
     for s in recs:
         # a window's figures are its steps' means (bench_train.by_window)
-        s.update(step_s=2 * blocks * hold, bytes_read=read, bytes_landed=read, read_busy_s=read / rate)
+        s.update(step_s=2 * blocks * hold, io_wait_s=0.0, bytes_read=read, bytes_landed=read, read_busy_s=read / rate)
     return dict(
         steps=recs,
         marks=marks,
