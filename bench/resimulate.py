@@ -116,7 +116,15 @@ def main(argv=None):
     a = ap.parse_args(argv)
     rows = [x.strip() for x in a.rows.split(",")] if a.rows else None
     for path in a.raw:
-        raw = json.loads(Path(path).read_text())
+        try:
+            raw = json.loads(Path(path).read_text())
+            if not isinstance(raw, dict) or not {"R", "results"} <= raw.keys():
+                raise ValueError("no 'R' and 'results'")
+        except (OSError, ValueError) as e:
+            ap.exit(
+                2,
+                f"resimulate: {path}: not a bench_train raw-SHAPE.json ({e}); pass one that a run wrote to its --out\n",
+            )
         units = {n: bench_train.pages_per_block(r) for n, r in raw["results"].items() if "block_pages" in r}
         print(f"== {path}: R {raw['R'] / 1e9:.2f}GB/s")
         print(

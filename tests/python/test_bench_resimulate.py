@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import resimulate  # noqa: E402
@@ -100,3 +102,14 @@ def test_only_pager_rows_that_recorded_steps_are_simulated(tmp_path, capsys):
     resimulate.main([str(path)])
     out = capsys.readouterr().out
     assert "pager 25%" in out and "pager 10%" in out and "mlx-lm" not in out and "pager 50%" not in out
+
+
+def test_a_file_that_is_not_a_raw_dump_is_named_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "results.json"
+    bad.write_text(json.dumps({"read": {}}))
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as e:
+            resimulate.main([str(path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and "raw-SHAPE.json" in err and "Traceback" not in err
