@@ -14,12 +14,16 @@ worker returned them), per step:
   best s      the fastest schedule the search finds (simulate.offline_best)
               at the rate the reads got, where the search is feasible
               (blocks whole, or up to bench_train.OPT_PARTS_MAX_PAGES pages)
+  room s      the bound counting the room (bound.room_bound) at the rate
+              the reads got: no schedule of the row's accesses under its
+              budget is faster (best s is one found, room s none beats)
 
 What a row's measured step, its prediction, the pager's choice and the
 search's best say side by side is where its time goes: the row against its
 prediction is what the simulator does not model; the prediction against
-the best, what the pager's policy leaves; the best against the bound, what
-the budget and the plan's structure allow no schedule to hide. Rows whose
+the best, what the pager's policy leaves; the best against the room bound,
+what the search may leave; the room bound against the bound, what the
+budget and the plan's structure allow no schedule to hide. Rows whose
 prefix runs ahead are simulated per window and given per step.
 """
 
@@ -57,6 +61,7 @@ class Row:
     choice_at_R: Choice
     choice_at_rate: Choice
     best_s: Optional[float]  # None where the search is not run
+    room_s: float  # the bound counting the room, at the rate the reads got
 
 
 def resimulate_row(r: dict, R: float, config: str = "") -> Row:
@@ -89,6 +94,7 @@ def resimulate_row(r: dict, R: float, config: str = "") -> Row:
         choice_at_R=choice(R),
         choice_at_rate=choice(rate),
         best_s=fig["optimum"].step_s if fig["optimum"] is not None else None,
+        room_s=fig["room"],
     )
 
 
@@ -129,7 +135,7 @@ def main(argv=None):
         print(f"== {path}: R {raw['R'] / 1e9:.2f}GB/s")
         print(
             f"   {'config':<18} {'ran':<12} {'step s':>7} {'got GB/s':>8} {'pred s':>7} "
-            f"{'choice at R':<12} {'its s':>6} {'choice at got':<13} {'its s':>6} {'best s':>7}"
+            f"{'choice at R':<12} {'its s':>6} {'choice at got':<13} {'its s':>6} {'best s':>7} {'room s':>7}"
         )
         for row in resimulate(raw, rows):
             u = units[row.config]
@@ -137,7 +143,8 @@ def main(argv=None):
             print(
                 f"   {row.config:<18} {_label(row.ran, u):<12} {row.step_s:7.3f} {row.rate / 1e9:8.2f} "
                 f"{row.predicted_s:7.3f} {_label(row.choice_at_R.settings, u):<12} {row.choice_at_R.step_s:6.3f} "
-                f"{_label(row.choice_at_rate.settings, u):<13} {row.choice_at_rate.step_s:6.3f} {best}"
+                f"{_label(row.choice_at_rate.settings, u):<13} {row.choice_at_rate.step_s:6.3f} {best} "
+                f"{row.room_s:7.3f}"
             )
 
 

@@ -137,6 +137,14 @@ def read_vs_bound(summary: dict, budget: str) -> Target:
         figure += f"; {fastest} (opt s) is {opt:.2f}x the bound{parts}, the row {vs_opt:.2f}x it"
     else:
         figure += "; blocks paged in parts, too many pages for the search (opt s) to compare with"
+    room, vs_room = _mean(shape, config, "room_vs_bound"), _mean(shape, config, "vs_room")
+    if room is not None and vs_room is not None:
+        # A lower bound, where opt s is a schedule found: what no schedule
+        # of the plan beats, whatever a search finds.
+        figure += (
+            f"; counting the room the budget leaves beside what the step holds, no schedule is faster "
+            f"than {room:.2f}x the bound (room s), and the row is {vs_room:.2f}x that"
+        )
     return Target(name, "MISSED", figure)
 
 

@@ -65,6 +65,7 @@ def test_a_windowed_row_is_given_per_step():
         (one.choice_at_R.step_s, three.choice_at_R.step_s),
         (one.choice_at_rate.step_s, three.choice_at_rate.step_s),
         (one.best_s, three.best_s),
+        (one.room_s, three.room_s),
         (one.step_s, three.step_s),
     ):
         assert abs(a - b) <= 0.02 * a, (a, b)
@@ -83,6 +84,9 @@ def test_the_prediction_reads_at_the_rate_the_rows_reads_got():
     for r in (fast, slow):
         assert r.choice_at_rate.step_s <= r.choice_at_R.step_s * 1.001
         assert r.best_s <= r.choice_at_rate.step_s * 1.001
+        # no schedule beats the room bound, at that rate too
+        assert r.room_s <= r.best_s * (1 + 1e-6)
+    assert slow.room_s > fast.room_s
 
 
 def test_only_pager_rows_that_recorded_steps_are_simulated(tmp_path, capsys):
