@@ -1,7 +1,7 @@
 """Training benchmarks against the anchors, side by side in one run.
 
     python bench/bench_train.py [--out bench_out] [--steps 5] [--shapes compute,read,q4]
-                                [--configs mlx-lm,pager 25%,naive] [--ab-env NAME=VALUE]
+                                [--configs mlx-lm,pager 25%,naive] [--ab-env NAME=VALUE] [--trace]
 
 For each model shape, on the same generated model, data, batch and sequence
 length, each configuration in its own process (so peak RSS is its own):
@@ -117,6 +117,11 @@ Shapes (--shapes; `big` is opt-in):
 the NAMEs (e.g. `pager 25%,naive`); rows that need another row's figures
 (`pager @mlx-lm` needs mlx-lm's peak, `whole`/`parts` and `again` their
 `pager` row) are skipped without them.
+
+--trace: each pager row also writes its run's timeline (the trainer's
+--trace, Chrome trace JSON that https://ui.perfetto.dev opens) to
+OUT/trace-SHAPE-ROW.json: which reads each acquire waited for, and
+whether the disk was busy meanwhile.
 
 Last, the issue's targets, each with this run's figure and whether it was met
 (targets.py; also written to targets.json).
@@ -416,6 +421,7 @@ def worker_pager(cfg):
         io_threads=IO_THREADS,
         page_parts=cfg.get("page_parts", "auto"),
         grad_checkpoint=cfg.get("grad_checkpoint", False),
+        trace=cfg.get("trace"),  # bench_train --trace
     )
     marks = step_marks_callback(Lockstep.from_cfg(cfg))
     res = run(types.SimpleNamespace(**args), marks)
@@ -806,6 +812,11 @@ def main():
         metavar="NAME=VALUE",
         help="run each 'pager X%%' row also with this environment variable (repeatable): 'env X%%' rows, A B ... B A",
     )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="each pager row also writes its timeline (mlx-pager's --trace) to OUT/trace-SHAPE-ROW.json",
+    )
     a = ap.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(json.loads(a.worker))))
@@ -929,6 +940,8 @@ def bench_one(name, shape, a, out_dir):
             return
         cfg = dict(base, name=cfg_name, adapter_path=str(out_dir / f"ad-{name}-{cfg_name.replace(' ', '_')}"), **kw)
         paged = cfg["kind"] == "pager"
+        if paged and a.trace:
+            cfg["trace"] = str(out_dir / f"trace-{name}-{cfg_name.replace(' ', '_')}.json")
         if paged and cfg.get("readahead") is None:
             # The trainer chooses after its second step: one step more, so
             # the row has as many steps at its choice as a fixed row's after
