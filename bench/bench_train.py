@@ -390,6 +390,8 @@ def step_marks_callback(lock: Lockstep = None):
             if self.steps and self.pager is not None:
                 self.steps[-1]["end"] = [time.perf_counter(), self.off(self.pager.stats())]
                 self.steps[-1]["held"] = bool(record.get("tail_held"))
+                # forward blocks in parts it bound whole (measured_accesses)
+                self.steps[-1]["whole"] = list(record.get("forward_whole", []))
                 self.steps[-1]["window"] = list(record.get("window", (1, 0)))
                 steal = cpu_steal_s()
                 if steal is not None and self.steps[-1]["steal"] is not None:
@@ -619,6 +621,7 @@ def measured_accesses(r):
             r["block_pages"],
             r["tail_back_pages"],
             st.get("held", False),
+            st.get("whole", ()),
         )
 
     if r.get("window", 1) > 1:

@@ -398,6 +398,7 @@ def train(
 
             before = pager.stats()
             compare_s = s.blocks.compare_s
+            s.blocks.bound_whole = []
             cb.on_step_begin(it, before)
             # The readahead this step runs with (the automatic choice,
             # simulate.AutoReadahead, may change it after a step).
@@ -483,6 +484,8 @@ def train(
                 # groups one at a time as well, to compare (Blocks.compare_s):
                 # a step unlike the ones after it
                 "compare_s": s.blocks.compare_s - compare_s,
+                # forward blocks in parts this step bound whole (Blocks.bound_whole)
+                "forward_whole": list(s.blocks.bound_whole),
             }
             result.steps.append(rec)
             cb.on_step(rec)

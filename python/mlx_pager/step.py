@@ -450,6 +450,13 @@ class Blocks:
         # compute, which a measured step less these and the pager's waits is
         # (simulate.not_compute_s).
         self.compare_s = 0.0
+        # Forward blocks in parts that ran bound whole (their pages all
+        # acquired before the block's graphs and held to their end: several
+        # micro-batches or groups), in the order run, since the caller last
+        # cleared it; the others read their parts lazily. A measured step's
+        # accesses take them as one access of all their pages
+        # (simulate.accesses_from_marks `whole`).
+        self.bound_whole: List[int] = []
         self.tail = Tail(model, compile and compile_tail)  # the no-recompute tail segment (segment.py)
 
     def _compiled(self, i: int, fn, *args):
@@ -740,6 +747,8 @@ def paged_value_and_grad(
         # read while MLX computes with the first. Otherwise the block is
         # bound (read) whole before its graph runs.
         lazy = len(weights.block_pages[i]) > 1 and len(micro_batches) == 1
+        if not lazy and len(weights.block_pages[i]) > 1:
+            blocks.bound_whole.append(i)
         with forward_pages(weights, i, hs[0]) if lazy else _bound(weights, i) as drop:
             if i in to_ssd:
                 for m, h in enumerate(hs):
@@ -1011,6 +1020,8 @@ def _forward_sweep(
                 mx.eval(out)
             hs = out
         else:
+            if len(weights.block_pages[i]) > 1:
+                blocks.bound_whole.append(i)
             with weights.bound(i):
                 out = [None] * len(hs)
                 for group in groups:

@@ -421,6 +421,22 @@ def test_accesses_of_blocks_in_several_pages():
     assert [a.overlaps for a in acc] == [False, True, False, True, True, True, True, False]
 
 
+def test_a_forward_block_bound_whole_is_one_access_of_its_pages():
+    """A forward block of several pages that ran bound whole (several
+    micro-batches or groups: step.Blocks.bound_whole, the record's
+    forward_whole) holds them all for its compute: one access, where the
+    same block read lazily is one per page. The others are as before."""
+    M = sim.BlockMark
+    marks = [M("forward", 0, 1.0, 0.0), M("forward", 1, 4.0, 0.0), M("backward", 1, 6.0, 0.0)]
+    pages = [(0, 1), (2, 3, 4)]
+    lazy = sim.accesses_from_marks(marks, (0.0, 0.0), (6.0, 0.0), pages)
+    whole = sim.accesses_from_marks(marks, (0.0, 0.0), (6.0, 0.0), pages, whole=[1])
+    assert [a.pages for a in lazy] == [(0,), (1,), (2,), (3,), (4,), (2, 3, 4)]
+    assert [a.pages for a in whole] == [(0,), (1,), (2, 3, 4), (2, 3, 4)]
+    assert whole[2].hold_s == pytest.approx(3.0) and not whole[2].overlaps
+    assert sum(a.hold_s + a.gap_s for a in whole) == pytest.approx(6.0)
+
+
 def test_a_lazy_page_is_acquired_while_the_one_before_is_held():
     """Access.overlaps: the page before goes only once this one is in, so a
     fault makes room around it. Room for two of three pages, page 2 read
