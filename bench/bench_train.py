@@ -1211,7 +1211,6 @@ def bench_one(name, shape, a, out_dir):
                 room_s=fig["room"],
                 vs_room=row["step_s"] / fig["room"],
                 room_vs_bound=fig["room"] / fig["bound"],
-                optimum_vs_room=fig["optimum"].step_s / fig["room"] if fig["optimum"] else None,
                 optimum_s=fig["optimum"].step_s if fig["optimum"] else None,
                 vs_optimum=row["step_s"] / fig["optimum"].step_s if fig["optimum"] else None,
                 optimum_vs_bound=fig["optimum"].step_s / fig["bound"] if fig["optimum"] else None,
