@@ -3,6 +3,8 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include <mlx/allocator.h>
 #include <mlx/ops.h>
@@ -15,8 +17,12 @@ namespace {
 
 class PagedTensors : public mx::Primitive {
  public:
-  PagedTensors(mx::Stream s, TensorPager* tp, PageId page, std::vector<bool> copy)
-      : mx::Primitive(s), tp_(tp), page_(page), copy_(std::move(copy)) {}
+  PagedTensors(mx::Stream s, TensorPager& tp, PageId page, std::vector<bool> copy)
+      : mx::Primitive(s),
+        gate_(tp.gate()),
+        page_(page),
+        name_(tp.pager().spec(page).name),
+        copy_(std::move(copy)) {}
 
   void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>& outputs) override {
     eval(outputs);
@@ -41,6 +47,16 @@ class PagedTensors : public mx::Primitive {
 
  private:
   void eval(std::vector<mx::array>& outputs) {
+    // The graph may outlive the pager (a Python user drops it first).
+    if (!gate_->run([&](TensorPager& tp) { eval(tp, outputs); })) {
+      throw std::runtime_error(
+          "[lazy_page] page '" + name_ +
+          "' is evaluated after its Pager was destroyed: evaluate lazy pages (or drop the "
+          "arrays built on them) while the Pager lives");
+    }
+  }
+
+  void eval(TensorPager& tp, std::vector<mx::array>& outputs) {
     // This runs when MLX submits the op, ahead of the stream that computes.
     // A page not in memory (nor on its way) needs room, which earlier pages
     // the stream still computes with may hold. Wait until the pager's
@@ -48,11 +64,11 @@ class PagedTensors : public mx::Primitive {
     // them, so the read overlaps the compute still queued), or until the
     // stream has drained, and fault it in then. A synchronize instead would
     // wait for all the queued compute before the read even starts.
-    if (tp_->pager().state(page_) == PageState::on_disk) {
+    if (tp.pager().state(page_) == PageState::on_disk) {
       if (stream().device == mx::Device::cpu) {
         auto drained = std::make_shared<std::atomic<bool>>(false);
         mx::scheduler::enqueue(stream(), [drained] { drained->store(true); });
-        tp_->pager().wait_off_disk(page_, *drained);
+        tp.pager().wait_off_disk(page_, *drained);
       } else {
         // A GPU stream's work is not on the scheduler's queue.
         mx::synchronize(stream());
@@ -62,7 +78,7 @@ class PagedTensors : public mx::Primitive {
     // so the pager counts it in use exactly while the graph computes with
     // it (a page released here could be evicted under its views, and
     // evicting it would free nothing until they go).
-    NamedArrays arrays = tp_->acquire_leased(page_);
+    NamedArrays arrays = tp.acquire_leased(page_);
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       const mx::array& view = arrays.at(i).second;
       if (i < copy_.size() && copy_[i]) {
@@ -75,8 +91,9 @@ class PagedTensors : public mx::Primitive {
     arrays.clear();  // copies need no lease: it ends once the views are gone
   }
 
-  TensorPager* tp_;
+  std::shared_ptr<LifetimeGate<TensorPager>> gate_;
   PageId page_;
+  std::string name_;  // for the error once the pager is gone
   std::vector<bool> copy_;
 };
 
@@ -93,7 +110,7 @@ std::vector<mx::array> paged_tensors(
   }
   auto s = mx::default_stream(mx::default_device());
   return mx::array::make_arrays(
-      std::move(shapes), dtypes, std::make_shared<PagedTensors>(s, &tp, page, copy), {after});
+      std::move(shapes), dtypes, std::make_shared<PagedTensors>(s, tp, page, copy), {after});
 }
 
 }  // namespace mlx_pager

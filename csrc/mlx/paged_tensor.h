@@ -16,9 +16,10 @@
 // is acquired once `after` is submitted, never earlier (MLX evaluates inputs first; a lazy array
 // without inputs, such as Load, may be read as soon as the evaluation starts).
 //
-// Contract: `tp` outlives every array returned (and every graph holding
-// one). The outputs are not differentiable (their cotangent for `after` is
-// zero); use them where nothing differentiates them, or behind a custom vjp.
+// The arrays (and graphs holding them) may outlive `tp`: evaluated after it
+// is gone, they throw std::runtime_error naming the page; views already
+// evaluated keep their frame's memory. The outputs are not differentiable (their cotangent for
+// `after` is zero); use them where nothing differentiates them, or behind a custom vjp.
 #pragma once
 
 #include <vector>

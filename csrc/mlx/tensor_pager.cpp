@@ -27,7 +27,13 @@ static std::uint64_t spec_nbytes(const TensorSpec& t) {
 }
 
 TensorPager::TensorPager(PagerConfig config)
-    : alloc_(std::make_shared<MlxFrameAllocator>(config.page_pool)), pager_(config, alloc_) {}
+    : gate_(std::make_shared<LifetimeGate<TensorPager>>(this)),
+      alloc_(std::make_shared<MlxFrameAllocator>(config.page_pool)),
+      pager_(config, alloc_) {}
+
+TensorPager::~TensorPager() {
+  gate_->close();  // waits for lazy pages being evaluated
+}
 
 PageId TensorPager::add(PageSpec spec, std::vector<Placed> tensors) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -169,8 +175,7 @@ NamedArrays TensorPager::acquire_leased(PageId id) {
   Frame frame = pager_.acquire_lease(id);
   Frame leased;
   try {
-    Pager* pager = &pager_;
-    leased = MlxFrameAllocator::lease(frame, [pager, id] { pager->release_lease(id); });
+    leased = MlxFrameAllocator::lease(frame, pager_.lease_releaser(id));
   } catch (...) {
     pager_.release_lease(id);
     throw;

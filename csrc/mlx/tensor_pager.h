@@ -9,6 +9,7 @@
 #pragma once
 
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -17,6 +18,7 @@
 #include <mlx/array.h>
 
 #include "mlx/mlx_frames.h"
+#include "mm/lifetime_gate.h"
 #include "mm/pager.h"
 #include "mm/swapfile.h"
 
@@ -41,6 +43,12 @@ using NamedArrays = std::vector<std::pair<std::string, mx::array>>;
 class TensorPager {
  public:
   explicit TensorPager(PagerConfig config);
+  // Lazy pages evaluated from now on throw; arrays still viewing frames keep
+  // their memory (mlx_frames.h), and their leases end harmlessly
+  // (Pager::lease_releaser).
+  ~TensorPager();
+  TensorPager(const TensorPager&) = delete;
+  TensorPager& operator=(const TensorPager&) = delete;
 
   // A page read in place from the tensors' files. Throws std::invalid_argument
   // (naming the page and tensor) if a tensor cannot be viewed in place; such
@@ -73,6 +81,10 @@ class TensorPager {
   // The page's tensors' (dtype, shape), in registration order (no read).
   std::vector<std::pair<mx::Dtype, mx::Shape>> specs(PageId id) const;
 
+  // Reaches this TensorPager while it lives: what a graph holding lazy pages
+  // (paged_tensor.h), which may outlive it, holds.
+  std::shared_ptr<LifetimeGate<TensorPager>> gate() const { return gate_; }
+
   Pager& pager() { return pager_; }
   const Pager& pager() const { return pager_; }
   // The frames' allocator, which keeps the last frame freed for reuse.
@@ -88,6 +100,7 @@ class TensorPager {
   // Page `id`'s tensors viewing `frame`, in registration order.
   NamedArrays views(PageId id, const Frame& frame) const;
 
+  std::shared_ptr<LifetimeGate<TensorPager>> gate_;
   std::shared_ptr<MlxFrameAllocator> alloc_;
   Pager pager_;
   mutable std::mutex mu_;

@@ -161,6 +161,10 @@ Frame Pager::acquire_lease(PageId id) {
   return f;
 }
 
+std::function<void()> Pager::lease_releaser(PageId id) {
+  return [gate = gate_, id] { gate->run([id](Pager& p) { p.release_lease(id); }); };
+}
+
 void Pager::release_lease(PageId id) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -77,6 +77,7 @@ void Pager::check_accounting_locked(const Lock& lock) const {
 
 Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
     : config_(config),
+      gate_(std::make_shared<LifetimeGate<Pager>>(this)),
       allocator_(std::move(allocator)),
       accounting_(std::make_shared<Accounting>()),
       budget_(config.budget_bytes),
@@ -102,6 +103,8 @@ Pager::Pager(PagerConfig config, std::shared_ptr<FrameAllocator> allocator)
 }
 
 Pager::~Pager() {
+  // Leases released from now on (arrays outliving the pager) do nothing.
+  gate_->close();
   {
     std::lock_guard<std::mutex> lock(accounting_->mu);
     accounting_->stop = true;

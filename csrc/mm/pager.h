@@ -80,6 +80,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -89,6 +90,7 @@
 
 #include "mm/frame.h"
 #include "mm/landing.h"
+#include "mm/lifetime_gate.h"
 #include "mm/page_io.h"
 #include "mm/page_table.h"
 #include "mm/reclaim.h"
@@ -171,6 +173,11 @@ class Pager {
   // frees an MLX buffer, with no lock held: it takes mu_ only to count, and
   // leaves readahead to the readahead thread (woken, never run inline).
   void release_lease(PageId id);
+  // release_lease(id) as a callable a lease's holder may run at any time, on
+  // any thread, also after the pager is gone (then it does nothing: the page
+  // table went with the pager, and the frame's memory is the holder's own).
+  // What an MLX buffer's deleter holds (tensor_pager.h's acquire_leased).
+  std::function<void()> lease_releaser(PageId id);
   // Reads the page if needed and keeps it resident until unpin(); locks it
   // in RAM where the OS allows.
   void pin(PageId id);
@@ -338,6 +345,9 @@ class Pager {
   static std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0);
 
   PagerConfig config_;
+  // Reaches the pager from lease_releaser()'s callables while it lives;
+  // ~Pager closes it first.
+  std::shared_ptr<LifetimeGate<Pager>> gate_;
   std::shared_ptr<FrameAllocator> allocator_;
   std::shared_ptr<Accounting> accounting_;
 

@@ -148,6 +148,28 @@ def test_unreadable_page_names_page_and_file(tmp_path):
     assert p.stats()["read_errors"] == 1
 
 
+def test_arrays_may_outlive_their_pager(tmp_path):
+    """A model may still hold a lazy page's views (or an unevaluated graph)
+    when the Pager is dropped: the views keep their memory, their lease ends
+    harmlessly, and a late evaluation is an error naming the page."""
+    import gc
+
+    path = tmp_path / "w.safetensors"
+    mx.save_safetensors(str(path), {"a": mx.ones((256, 256)), "b": mx.full((256,), 2.0)})
+    p = Pager(1 << 24, readahead=0)
+    pid = in_place_page(p, "layers.3", path)
+    views = p.lazy_page(pid, mx.array(0.0))
+    mx.eval(views)
+    late = p.lazy_page(pid, mx.array(0.0))
+    del p
+    gc.collect()
+    assert mx.sum(views[0]).item() == 256 * 256 and mx.sum(views[1]).item() == 512
+    del views
+    gc.collect()
+    with pytest.raises(RuntimeError, match="page 'layers.3' is evaluated after its Pager"):
+        mx.eval(late)
+
+
 def test_bad_inputs_are_errors_not_crashes(tmp_path):
     with pytest.raises(Exception, match="cannot open|No such file"):
         read_safetensors_index(str(tmp_path / "missing.safetensors"))
