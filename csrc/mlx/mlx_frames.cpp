@@ -82,6 +82,17 @@ std::uint64_t MlxFrameAllocator::footprint(std::uint64_t bytes) const {
   return bytes + kIoAlign;
 }
 
+std::uint64_t MlxFrameAllocator::charge_bound(std::uint64_t bytes) const {
+  std::uint64_t request = footprint(bytes);
+  // MLX's buffer cache pages are the VM's (4 KB on Linux, 16 KB on Apple
+  // silicon).
+  std::uint64_t cache = 2 * PagePool::page_size();
+  if (kept_->pool != nullptr) {
+    return request + cache;
+  }
+  return request + std::max(cache, std::max(reuse_slack(request), request / 16));
+}
+
 Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_free) {
   std::uint64_t request = footprint(bytes);
   if (request > static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max())) {

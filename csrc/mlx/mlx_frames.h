@@ -48,6 +48,10 @@ class MlxFrameAllocator : public FrameAllocator {
   // false: the one kept frame.
   explicit MlxFrameAllocator(bool page_pool = true);
   std::uint64_t footprint(std::uint64_t bytes) const override;
+  // footprint() plus what MLX's buffer cache may hand back beyond it (under
+  // two of its pages: backend/common/buffer_cache.h), and without a page pool
+  // what the kept frame may be reused at (allocate()).
+  std::uint64_t charge_bound(std::uint64_t bytes) const override;
   Frame allocate(std::uint64_t bytes, std::function<void()> on_free) override;
   // No lease and no array view holds the frame's buffer.
   bool unshared(const Frame& frame) const override;

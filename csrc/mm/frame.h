@@ -50,6 +50,10 @@ class FrameAllocator {
   // the pager reserves in the budget before allocating. The allocated
   // frame's `footprint` is the exact cost, charged once it is known.
   virtual std::uint64_t footprint(std::uint64_t bytes) const = 0;
+  // The most a frame of `bytes` usable bytes may cost: footprint(), or more
+  // where the backend hands out a larger buffer it rounds up or reuses.
+  // Default: footprint().
+  virtual std::uint64_t charge_bound(std::uint64_t bytes) const { return footprint(bytes); }
   // Allocates a frame of at least `bytes` usable bytes aligned to kIoAlign,
   // with `footprint` set to what the memory really costs. `on_free` runs
   // exactly once, when the memory of the returned frame is released; never

@@ -120,6 +120,19 @@ Pager::~Pager() {
 
 // ---------------------------------------------------------------- registry --
 
+std::uint64_t Pager::charge_bound(PageId id) const {
+  return frame_charge_bound(spec(id).frame_bytes);
+}
+
+std::uint64_t Pager::frame_charge_bound(std::uint64_t frame_bytes) const {
+  std::uint64_t bound = allocator_->charge_bound(frame_bytes);
+  if (config_.keep_free_frames) {
+    std::uint64_t need = allocator_->footprint(frame_bytes);
+    bound = std::max(bound, need + reuse_slack(need));
+  }
+  return bound;
+}
+
 FileId Pager::add_file(const std::string& path) {
   std::lock_guard<std::mutex> lock(mu_);
   FileId id = table_.add_file(path, config_.direct_io);

@@ -153,6 +153,13 @@ class Pager {
   // for each read of the page, re-reads after a failed check aside; less
   // than spec.frame_bytes, which also holds the alignment padding.
   std::uint64_t read_bytes(PageId id) const;
+  // The most the page may be charged while resident: its frame's footprint,
+  // or more where the allocator hands out a larger buffer or the pager reuses
+  // a free frame up to reuse_slack larger (keep_free_frames). A budget that
+  // must hold several pages at once (a block's parts) counts this.
+  std::uint64_t charge_bound(PageId id) const;
+  // The same for a page whose frame holds `frame_bytes` (PageSpec::frame_bytes).
+  std::uint64_t frame_charge_bound(std::uint64_t frame_bytes) const;
   PageState state(PageId id) const;
   IoMode file_mode(FileId id) const;
 

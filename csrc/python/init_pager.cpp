@@ -279,6 +279,18 @@ void init_pager(nb::module_& m) {
           [](const TensorPager& tp, PageId id) { return tp.pager().spec(id).frame_bytes; },
           "page"_a, "Bytes of the page's frame in memory.")
       .def(
+          "page_charge_bound",
+          [](const TensorPager& tp, PageId id) { return tp.pager().charge_bound(id); }, "page"_a,
+          "The most the page may be charged while resident (Pager::charge_bound).")
+      .def(
+          "frame_charge_bound",
+          [](const TensorPager& tp, std::uint64_t frame_bytes) {
+            return tp.pager().frame_charge_bound(frame_bytes);
+          },
+          "frame_bytes"_a,
+          "The most a page of `frame_bytes` (page_bytes) may be charged while resident\n"
+          "(Pager::charge_bound): what a budget that must hold several pages at once counts.")
+      .def(
           "page_read_bytes",
           [](const TensorPager& tp, PageId id) { return tp.pager().read_bytes(id); }, "page"_a,
           "Bytes one read of the page transfers (Pager::read_bytes).")

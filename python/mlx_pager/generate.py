@@ -224,7 +224,7 @@ class PagedModel:
         # Benchmarks and tests: exactly this many bytes of pages besides the
         # rest of the plan (the memory budget follows from it).
         self.fixed_page_budget = None if page_budget is None else int(page_budget)
-        self._pinned = weights.resident_bytes + _io_align()
+        self._pinned = weights.page_charge_bound(weights.resident_id)
         self.reserve(kv_tokens)  # sizes KV cache and prompt chunk, checks the budget
         self.gov = Governor(plan, weights.pager, pinned_bytes=self._pinned)
         weights.pager.set_budget(int(self._pinned + plan.page_budget))
@@ -304,7 +304,7 @@ class PagedModel:
         """Whether the page budget, as the governor leaves it now, holds
         every block's pages at once."""
         W = self.weights
-        return sum(W.block_footprint(i) for i in range(W.num_blocks)) <= step.page_room(W)
+        return sum(W.block_charge_bound(i) for i in range(W.num_blocks)) <= step.page_room(W)
 
     def _use_cache(self, holds_all: bool) -> None:
         """MLX's cache of freed buffers: where nothing is paged, room for the
@@ -406,12 +406,6 @@ class PagedModel:
             out["read_rate"] = read_rate
             out["bound_s_per_token"] = out["min_bytes_per_token"] / read_rate
         return out
-
-
-def _io_align() -> int:
-    from ._core import IO_ALIGN
-
-    return int(IO_ALIGN)
 
 
 # --------------------------------------------------------------- loading --
@@ -542,11 +536,11 @@ def load_paged(
         ),
         mx.float32,
     )
-    max_page = weights.max_block_footprint
+    max_page = weights.max_block_charge
     plan = MemoryPlan(
         budget=budget,
         baseline=process_rss(),
-        resident=weights.resident_bytes + _io_align(),
+        resident=weights.page_charge_bound(weights.resident_id),
         trainable=sum(a.nbytes for a in adapters),
         activations=0,
         # MLX's buffer cache keeps one freed page frame for the next read.

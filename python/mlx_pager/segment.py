@@ -184,7 +184,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
     h = mb.h0
     mx.eval(h)
     pager = weights.pager
-    window = sum(sorted((weights.block_footprint(i) for i in range(start, L)), reverse=True)[:2])
+    window = sum(sorted((weights.block_charge_bound(i) for i in range(start, L)), reverse=True)[:2])
     old = pager.set_budget(pager.stats()["resident_bytes"] + window)
     try:
         with Stream(weights, range(start, L)).bound() as st:

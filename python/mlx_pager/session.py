@@ -593,8 +593,6 @@ def open_session(
     `datasets`: the CacheDatasets the run will iterate (sizes the
     activations). Raises BudgetError naming the minimum budget when the
     budget cannot hold one block page besides everything else."""
-    from ._core import IO_ALIGN
-
     model.freeze()
     # What an earlier run in this process left (its pages, until its objects
     # are collected; MLX's cache) is not this run's baseline.
@@ -652,7 +650,7 @@ def open_session(
         plan_budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
     except BudgetError as e:
         budget_error = e
-    max_page = weights.max_block_footprint
+    max_page = weights.max_block_charge
     slack = plan_slack()
     L = len(model.layers)
     # Forward-only evaluation keeps no checkpoints: plan it as a step with
@@ -660,7 +658,7 @@ def open_session(
     shape = placement.Step(
         num_blocks=L,
         first_trained=first if training else L,
-        footprints=[weights.block_footprint(i) for i in range(weights.num_blocks)],
+        footprints=[weights.block_charge_bound(i) for i in range(weights.num_blocks)],
         held=[stream.held_bytes(weights, i) for i in range(weights.num_blocks)],
         rows=args.batch_size,
         length=seq_len,
@@ -681,7 +679,7 @@ def open_session(
     plan = MemoryPlan(
         budget=plan_budget,
         baseline=baseline,
-        resident=weights.resident_bytes + IO_ALIGN,
+        resident=weights.page_charge_bound(weights.resident_id),
         trainable=trainable_state_bytes(model, args.optimizer.lower(), training),
         activations=0,
         slack=slack,
@@ -751,7 +749,7 @@ def open_session(
     first_placement = placement.choose(
         shape, sizes, plan.budget - plan.fixed_without_activations, page_cap, ceiling=ceiling
     )
-    gov = Governor(plan, weights.pager, pinned_bytes=weights.resident_bytes + IO_ALIGN)
+    gov = Governor(plan, weights.pager, pinned_bytes=weights.page_charge_bound(weights.resident_id))
     weights.pin_resident()
     uncompiled_tail = jit.tail_compile_refused(plan.budget)
     if training and args.fine_tune_type == "dora":

@@ -723,7 +723,7 @@ def simulate(
     """The pager with `settings` and a page budget of `budget` bytes, running
     `steps` steps of `accesses` against `disk`; the step figures are means
     over the steps after the first `warmup`. `footprints`: bytes each page
-    is charged (PagedWeights.page_bytes + IO_ALIGN); `read_bytes`: bytes each
+    is charged (PagedWeights.page_footprint); `read_bytes`: bytes each
     page's read transfers (default: its footprint). `events`: a list that
     gets (kind, page, pages charged) after set_schedule and every acquire
     and release (the pages charged: resident or in flight)."""

@@ -629,8 +629,8 @@ def holds_tail(weights, tail_start: int, page_budget: int) -> bool:
     L = weights.num_blocks
     if tail_start >= L:
         return False
-    other = max((weights.block_footprint(i) for i in range(tail_start)), default=0)
-    return sum(weights.block_footprint(i) for i in range(tail_start, L)) + other <= page_budget
+    other = max((weights.block_charge_bound(i) for i in range(tail_start)), default=0)
+    return sum(weights.block_charge_bound(i) for i in range(tail_start, L)) + other <= page_budget
 
 
 def step_pages(

@@ -188,16 +188,14 @@ def _in_place_tensors(index, names: List[str]) -> list:
 
 
 def block_footprints(model: nn.Module, model_path, page_parts: Optional[int] = 1, store: str = "auto") -> List[int]:
-    """What each block's pages would be charged together once resident
-    (PagedWeights.block_footprint) were the model paged with `page_parts`
+    """The most each block's pages would be charged together once resident
+    (PagedWeights.block_charge_bound) were the model paged with `page_parts`
     pages per block, before anything is registered: pages read in place are
     planned on a scratch Pager (layout.h; nothing is read), swap pages
     sized by swap_page_bytes. A block in parts may be charged well over the
     whole block (each part's alignment, and the gaps of other parts its read
     goes through), so --page-parts auto checks a split against the page
     budget with this (session.page_parts)."""
-    from ._core import IO_ALIGN
-
     model_path = Path(model_path)
     params = dict(tree_flatten(model.parameters()))
     trainable = {k for k, _ in tree_flatten(model.trainable_parameters())}
@@ -212,7 +210,7 @@ def block_footprints(model: nn.Module, model_path, page_parts: Optional[int] = 1
             nbytes = scratch.page_bytes(pid)
         else:
             nbytes = swap_page_bytes([params[n].nbytes for n in names])
-        footprint[page_name] = int(nbytes) + int(IO_ALIGN)
+        footprint[page_name] = int(scratch.frame_charge_bound(int(nbytes)))
     return [sum(footprint[n] for n in names) for names in page_names]
 
 
@@ -469,9 +467,26 @@ class PagedWeights:
         return sum(self.page_footprint(p) for p in self.block_pages[block])
 
     def page_footprint(self, pid: int) -> int:
+        """What page `pid` is charged when its frame is fresh: the simulator's
+        charge (simulate.py), which replays the pager's reads."""
         from ._core import IO_ALIGN
 
         return self.pager.page_bytes(pid) + int(IO_ALIGN)
+
+    def block_charge_bound(self, block: int) -> int:
+        """The most block `block`'s pages may be charged together when
+        resident (page_charge_bound each): what a budget that must hold them
+        at once counts."""
+        return sum(self.page_charge_bound(p) for p in self.block_pages[block])
+
+    def page_charge_bound(self, pid: int) -> int:
+        """The most page `pid` may be charged when resident: its footprint,
+        and the few pages more a reused frame may cost (Pager::charge_bound).
+        A budget of one block's bare footprints failed a block in 4 parts
+        (parts a 4 KB page apart reuse each other's frames) in its forward:
+        its last part found the budget full of the others, charged 4 KB
+        over, and in use."""
+        return int(self.pager.page_charge_bound(pid))
 
     def page_read_bytes(self, pid: int) -> int:
         """Bytes one read of page `pid` transfers (Pager::read_bytes): what
@@ -504,3 +519,9 @@ class PagedWeights:
     @property
     def max_block_footprint(self) -> int:
         return max(self.block_footprint(i) for i in range(self.num_blocks))
+
+    @property
+    def max_block_charge(self) -> int:
+        """The most the largest block's pages may be charged at once
+        (block_charge_bound): the least page budget a step can run in."""
+        return max(self.block_charge_bound(i) for i in range(self.num_blocks))

@@ -896,6 +896,38 @@ TEST_CASE("pager: priority classes decide the eviction order first") {
   CHECK(p.state(0) == PageState::resident);
 }
 
+TEST_CASE("pager: a frame reused a page larger is charged within charge_bound, not footprint") {
+  // Page 0 one 4 KB page larger than pages 1 and 2: its free frame is
+  // reused for page 2 (within reuse_slack) and charged as it is.
+  const std::uint64_t small = kPage - 4096;
+  std::string path = check::pattern_file("pager_bound.bin", 3 * kPage, 61);
+  PagerConfig c = config(2, Policy::lru, 0);
+  c.keep_free_frames = true;
+  Pager p(c, std::make_shared<HeapFrameAllocator>());
+  FileId f = p.add_file(path);
+  for (int i = 0; i < 3; ++i) {
+    PageSpec s;
+    s.name = "part." + std::to_string(i);
+    s.frame_bytes = i == 0 ? kPage : small;
+    s.extents.push_back(Extent{f, i * kPage, s.frame_bytes, s.frame_bytes, 0});
+    p.add_page(std::move(s));
+  }
+  HeapFrameAllocator heap;
+  CHECK_EQ(p.charge_bound(0), heap.footprint(kPage) + reuse_slack(heap.footprint(kPage)));
+  CHECK_EQ(p.frame_charge_bound(small), p.charge_bound(1));
+  p.acquire(0);
+  p.release(0);
+  p.acquire(1);
+  p.release(1);
+  Frame f2 = p.acquire(2);  // evicts page 0 (LRU) and reads into its frame
+  CHECK(check::matches_pattern(f2.data, small, 61, 2 * kPage));
+  CHECK_EQ(p.stats().frames_reused, 1u);
+  std::uint64_t charged = p.stats().resident_bytes_now;
+  CHECK(charged > heap.footprint(small) * 2);  // more than the footprints
+  CHECK(charged <= p.charge_bound(1) + p.charge_bound(2));
+  p.release(2);
+}
+
 TEST_CASE("pager: an evicted page's unreferenced frame stays charged and the next read reuses it") {
   Fixture fx(4, 57, "pager_keep.bin");
   PagerConfig c = config(2, Policy::lru, 0);

@@ -531,6 +531,7 @@ TEST_CASE("tensor_pager: frames are charged what MLX's allocator really hands ou
     std::cerr << "  requested " << request << ", MLX handed out " << exact << " bytes\n";
     CHECK(exact >= request);
     CHECK_EQ(tp.pager().stats().resident_bytes_now, exact);
+    CHECK(exact <= tp.pager().charge_bound(id));
     CHECK_EQ(mx::get_active_memory() - active_before, exact);
     tp.release(id);
     tp.pager().evict_all();

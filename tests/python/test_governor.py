@@ -360,8 +360,8 @@ class PagesCut(PagerCallback):
 
             s = self.session
             L = len(s.model.layers)
-            need = sum(s.weights.block_footprint(i) for i in range(s.tail_start, L))
-            need += max((s.weights.block_footprint(i) for i in range(s.tail_start)), default=0)
+            need = sum(s.weights.block_charge_bound(i) for i in range(s.tail_start, L))
+            need += max((s.weights.block_charge_bound(i) for i in range(s.tail_start)), default=0)
             assert step.holds_tail(s.weights, s.tail_start, need)
             s.gov.set_page_budget(int(need * self.fraction))
 
@@ -380,3 +380,45 @@ def test_a_held_tail_streams_once_its_pages_no_longer_fit(ladder_model, ladder_d
     assert res.steps[2]["acquires"] > res.steps[1]["acquires"]
     assert all(s["recomputed_blocks"] == 0 for s in res.steps)
     same(unforced, ad, exact=True)
+
+
+class OverOnce(PagerCallback):
+    """Makes the governor's first check of iteration `at` see the process
+    far over its budget (twice: before and after its cheap rungs), so its
+    page_budget rung cuts the page budget to its floor mid-step, as memory
+    outside the plan would."""
+
+    def __init__(self, at, monkeypatch):
+        from mlx_pager import governor
+
+        self.at, self.over = at, 0
+        real = governor.process_rss
+
+        def rss():
+            if self.over > 0:
+                self.over -= 1
+                return 1 << 50
+            return real()
+
+        monkeypatch.setattr(governor, "process_rss", rss)
+
+    def on_step_begin(self, iteration, stats):
+        if iteration == self.at:
+            self.over = 2
+
+
+def test_a_page_budget_cut_to_its_floor_mid_step_holds_a_block_in_parts(models, train_only_data, tmp_path, monkeypatch):
+    """The floor the governor cuts the page budget to holds one block's
+    pages at once however their frames were reused. The small llama's parts
+    differ by one 4 KB page, so a part's read reuses another's free frame,
+    charged a page over its own footprint (Pager::charge_bound): counted at
+    the bare footprints, the block's last part found the budget full of its
+    other parts, in use, and the step failed with PagerBudgetError."""
+    kw = dict(page_parts=4, page_budget=1 << 20, num_layers=2, batch_size=2, store="swap")
+    model = models("llama", None)
+    _, unforced = ladder_run(model, train_only_data, tmp_path / "unforced", iters=3, **kw)
+    res, ad = ladder_run(model, train_only_data, tmp_path / "cut", iters=3, cb=OverOnce(1, monkeypatch), **kw)
+    cut = [r for r in res.governor_rungs if r["rung"] == "page_budget"]
+    assert len(cut) == 1, rung_names(res)
+    assert len(res.steps) == 3
+    same(unforced, ad, exact="split" not in rung_names(res))

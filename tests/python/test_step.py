@@ -239,7 +239,7 @@ def test_a_held_tail_is_compiled_and_bitwise_mlx_lm_at_every_start(models, tmp_p
     L = len(model.layers)
     blocks = S.Blocks(model)
     for s in range(L - 3, L):
-        need = sum(w.block_footprint(i) for i in range(s, L)) + max(w.block_footprint(i) for i in range(s))
+        need = sum(w.block_charge_bound(i) for i in range(s, L)) + max(w.block_charge_bound(i) for i in range(s))
         assert S.holds_tail(w, s, need) and not S.holds_tail(w, s, need - 1)
         before = w.pager.stats()["acquires"]
         probe = {}
@@ -275,7 +275,7 @@ def test_a_held_tail_falls_back_to_streaming_when_the_budget_shrank(models, tmp_
     mx.eval(loss, grads)
     model, w = paged(path, 2, "in_place", tmp_path)
     L = len(model.layers)
-    w.pager.set_budget(w.pager.stats()["pinned_bytes"] + max(w.block_footprint(i) for i in range(L)))
+    w.pager.set_budget(w.pager.stats()["pinned_bytes"] + max(w.block_charge_bound(i) for i in range(L)))
     probe = {}
     losses, _, pgrads = S.paged_value_and_grad(
         model, w, [S.MicroBatch.from_batch(*batch)], tail_start=L - 2, hold_tail=True, probe=probe
@@ -630,7 +630,7 @@ def test_the_prefix_sweep_reads_a_block_in_parts_as_its_graph_uses_them(models, 
     model, w = paged(path, 1, "in_place", tmp_path, page_parts=4)
     prefix = S.first_trained_block(model)
     assert prefix == 3 and all(len(w.block_pages[i]) > 1 for i in range(prefix))
-    one_block = max(w.block_footprint(i) for i in range(len(model.layers)))
+    one_block = max(w.block_charge_bound(i) for i in range(len(model.layers)))
     w.pager.set_budget(w.resident_bytes + 2 * IO_ALIGN + one_block)  # the pinned resident page counts
     bound = []
     whole = w.bound

@@ -138,9 +138,10 @@ def test_a_block_in_several_pages_binds_whole(models, tmp_path):
 @pytest.mark.parametrize("arch, bits, store", [("qwen3", 4, "auto"), ("llama", None, "swap")])
 def test_block_footprints_before_registering_are_what_the_pages_are_charged(models, tmp_path, arch, bits, store):
     """store.block_footprints plans a split without registering it (what
-    --page-parts auto checks against the budget): each block's footprint as
-    PagedWeights then charges it, in place and in a swap file, whole and in
-    parts; parts cost more than the whole block (alignment, read-through)."""
+    --page-parts auto checks against the budget): the most each block may be
+    charged, as PagedWeights then counts it (block_charge_bound), in place
+    and in a swap file, whole and in parts; parts cost more than the whole
+    block (alignment, read-through, and each part's reuse slack)."""
     path = models(arch, bits)
     got = {}
     for parts in (1, 4):
@@ -148,6 +149,6 @@ def test_block_footprints_before_registering_are_what_the_pages_are_charged(mode
         w = PagedWeights(
             lazy(path), path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path), store=store, page_parts=parts
         )
-        assert planned == [w.block_footprint(i) for i in range(w.num_blocks)], parts
+        assert planned == [w.block_charge_bound(i) for i in range(w.num_blocks)], parts
         got[parts] = planned
     assert all(p > w for p, w in zip(got[4], got[1]))
