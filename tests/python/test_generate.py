@@ -93,6 +93,29 @@ def test_blocks_in_parts_generate_the_same_tokens(trained, tmp_path):
     assert paged.summary()["decode_bytes"] > 0  # pages were read every token
 
 
+def test_the_least_page_budget_generates_with_blocks_in_parts(models, tmp_path):
+    """At exactly the least page budget load_paged accepts (the largest
+    block's charge bound), a block in 4 swap pages a 4 KB page apart: the
+    tokens are mlx-lm's. At the bare footprints the block's last part found
+    the budget full of the others (one charged a page over, reusing a frame)
+    and generation failed with PagerBudgetError."""
+    path = models("llama", None)
+    model, tok = mlx_lm.load(str(path))
+    mx.random.seed(0)
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=8)]
+    del model
+    kw = dict(ssd_cache_dir=str(tmp_path / "c"), page_parts=4, store="swap")
+    probe, _ = load_paged(str(path), **kw)
+    least = probe.weights.max_block_charge
+    assert least > probe.weights.max_block_footprint
+    del probe
+    with pytest.raises(Exception, match="too small|does not hold"):
+        load_paged(str(path), page_budget=least - 1, **kw)
+    paged, ptok = load_paged(str(path), page_budget=least, **kw)
+    mx.random.seed(0)
+    assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=8)] == ref
+
+
 def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     """Prefill is layer-major per chunk: a chunk's tokens pass through a block
     together, so a block is read at most once per chunk, not once per token;
