@@ -45,9 +45,36 @@ cmake -S . -B build/test-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 cmake --build build/test-tsan -j "$JOBS"
 TSAN_OPTIONS="halt_on_error=1" ${MLX_PAGER_TSAN_WRAP:-} build/test-tsan/mm_tests
 
-step "Python tests"
 # MLX's Linux CPU wheel bundles the reference BLAS; OpenBLAS, when installed,
 # makes float32 matmuls ~10x faster (see python/mlx_pager/blas.py).
 BLAS="$("$PY" -c 'from mlx_pager.blas import openblas_path; print(openblas_path() or "")')"
+
+if [ "$(uname -s)" = Linux ] && [ $# -eq 0 ]; then
+  # The extension built with AddressSanitizer, under the Python tests that
+  # drive the pager through its bindings: lifetimes across the boundary
+  # (arrays viewing frames, leases, lazy pages, a Pager dropped first) are
+  # what the C++ tests alone do not see. The ASan runtime comes first in the
+  # process, and libstdc++ with it (its __cxa_throw interceptor needs it
+  # loaded); the tests whose figures are the process's memory stay out
+  # (ASan's own memory moves them).
+  step "Python tests under AddressSanitizer (the extension's lifetimes)"
+  dir=build/test-asan-py
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMLX_PAGER_BUILD_PYTHON=ON \
+    -DMLX_PAGER_SANITIZE=address -DPython_EXECUTABLE="$PY" > "$dir.configure.log" 2>&1 \
+    || { cat "$dir.configure.log"; exit 1; }
+  cmake --build "$dir" -j "$JOBS" --target _core
+  rm -rf "$dir/pkg" && mkdir -p "$dir/pkg"
+  cp -r python/mlx_pager "$dir/pkg/" && rm -f "$dir"/pkg/mlx_pager/_core*.so
+  cp "$dir"/_core*.so "$dir/pkg/mlx_pager/"
+  cxx="$(grep -m1 '^CMAKE_CXX_COMPILER:' "$dir/CMakeCache.txt" | cut -d= -f2)"
+  asan_rt="$(readlink -f "$("$cxx" -print-file-name=libasan.so)")"
+  stdcxx="$(readlink -f "$("$cxx" -print-file-name=libstdc++.so.6)")"
+  [ -f "$asan_rt" ] && [ -f "$stdcxx" ] || { echo "no ASan runtime found for $cxx"; exit 1; }
+  (cd tests/python && ASAN_OPTIONS=detect_leaks=0 PYTHONPATH="$(cd "../../$dir/pkg" && pwd)" \
+    LD_PRELOAD="$asan_rt:$stdcxx${BLAS:+:$BLAS}" \
+    "$PY" -m pytest -q -p no:cacheprovider test_core.py test_step.py test_prefix.py test_store.py)
+fi
+
+step "Python tests"
 if [ -n "$BLAS" ]; then export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}"; fi
 cd tests/python && "$PY" -m pytest -q -p no:cacheprovider "$@"
