@@ -50,17 +50,18 @@ TSAN_OPTIONS="halt_on_error=1" ${MLX_PAGER_TSAN_WRAP:-} build/test-tsan/mm_tests
 BLAS="$("$PY" -c 'from mlx_pager.blas import openblas_path; print(openblas_path() or "")')"
 
 if [ "$(uname -s)" = Linux ] && [ $# -eq 0 ]; then
-  # The extension built with AddressSanitizer, under the Python tests that
-  # drive the pager through its bindings: lifetimes across the boundary
+  # The extension built with AddressSanitizer and UBSan, under the Python
+  # tests that drive the pager through its bindings: lifetimes across the boundary
   # (arrays viewing frames, leases, lazy pages, a Pager dropped first) are
   # what the C++ tests alone do not see. The ASan runtime comes first in the
   # process, and libstdc++ with it (its __cxa_throw interceptor needs it
   # loaded); the tests whose figures are the process's memory stay out
-  # (ASan's own memory moves them).
-  step "Python tests under AddressSanitizer (the extension's lifetimes)"
+  # (ASan's own memory moves them). --capture=sys: a sanitizer's report,
+  # written to fd 2 as it aborts, reaches the log.
+  step "Python tests under ASan+UBSan (the extension's lifetimes)"
   dir=build/test-asan-py
   cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMLX_PAGER_BUILD_PYTHON=ON \
-    -DMLX_PAGER_SANITIZE=address -DPython_EXECUTABLE="$PY" > "$dir.configure.log" 2>&1 \
+    -DMLX_PAGER_SANITIZE=address,undefined -DPython_EXECUTABLE="$PY" > "$dir.configure.log" 2>&1 \
     || { cat "$dir.configure.log"; exit 1; }
   cmake --build "$dir" -j "$JOBS" --target _core
   rm -rf "$dir/pkg" && mkdir -p "$dir/pkg"
@@ -70,9 +71,9 @@ if [ "$(uname -s)" = Linux ] && [ $# -eq 0 ]; then
   asan_rt="$(readlink -f "$("$cxx" -print-file-name=libasan.so)")"
   stdcxx="$(readlink -f "$("$cxx" -print-file-name=libstdc++.so.6)")"
   [ -f "$asan_rt" ] && [ -f "$stdcxx" ] || { echo "no ASan runtime found for $cxx"; exit 1; }
-  (cd tests/python && ASAN_OPTIONS=detect_leaks=0 PYTHONPATH="$(cd "../../$dir/pkg" && pwd)" \
+  (cd tests/python && ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH="$(cd "../../$dir/pkg" && pwd)" \
     LD_PRELOAD="$asan_rt:$stdcxx${BLAS:+:$BLAS}" \
-    "$PY" -m pytest -q -p no:cacheprovider test_core.py test_step.py test_prefix.py test_store.py)
+    "$PY" -m pytest -q -p no:cacheprovider --capture=sys test_core.py test_step.py test_prefix.py test_store.py)
 fi
 
 step "Python tests"
