@@ -12,6 +12,7 @@ import pytest
 from cgroup import run_capped, unavailable_reason
 
 from mlx_pager import PagedTrainer, modelgen
+from mlx_pager.budget import BudgetError
 from mlx_pager.generate import load_paged, min_reads_per_sweep
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
@@ -109,8 +110,9 @@ def test_the_least_page_budget_generates_with_blocks_in_parts(models, tmp_path):
     least = probe.weights.max_block_charge
     assert least > probe.weights.max_block_footprint
     del probe
-    with pytest.raises(Exception, match="too small|does not hold"):
+    with pytest.raises(BudgetError, match="page_budget .* does not hold one block") as e:
         load_paged(str(path), page_budget=least - 1, **kw)
+    assert "in 4 parts" in str(e.value) and "memory-budget" not in str(e.value)
     paged, ptok = load_paged(str(path), page_budget=least, **kw)
     mx.random.seed(0)
     assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=8)] == ref
