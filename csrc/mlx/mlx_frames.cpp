@@ -90,7 +90,7 @@ std::uint64_t MlxFrameAllocator::charge_bound(std::uint64_t bytes) const {
   if (kept_->pool != nullptr) {
     return request + cache;
   }
-  return request + std::max(cache, std::max(reuse_slack(request), request / 16));
+  return request + std::max({cache, reuse_slack(request), request / 16});
 }
 
 Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_free) {

@@ -260,14 +260,14 @@ class PagedModel:
         p.activations = kv + self.chunk_bytes
         if self.fixed_page_budget is not None:
             p.budget = p.fixed + self.fixed_page_budget
-        if self.fixed_page_budget is not None and self.fixed_page_budget < p.max_page:
-            W = self.weights
-            parts = f" in {W.pages_per_block} parts" if W.pages_per_block > 1 else ""
-            raise BudgetError(
-                f"page_budget {format_size(self.fixed_page_budget)} does not hold one block: the largest "
-                f"block's pages may take {format_size(p.max_page)}{parts}. Raise page_budget to at least "
-                f"{format_size(p.max_page)}, or leave it out (the memory budget plans the pages)."
-            )
+            if self.fixed_page_budget < p.max_page:
+                W = self.weights
+                parts = f" in {W.pages_per_block} parts" if W.pages_per_block > 1 else ""
+                raise BudgetError(
+                    f"page_budget {format_size(self.fixed_page_budget)} does not hold one block: the largest "
+                    f"block's pages may take {format_size(p.max_page)}{parts}. Raise page_budget to at least "
+                    f"{format_size(p.max_page)}, or leave it out (the memory budget plans the pages)."
+                )
         if p.page_budget < p.max_page:
             need = p.fixed + p.max_page
             raise BudgetError(
