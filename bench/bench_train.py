@@ -473,7 +473,7 @@ def worker_pager(cfg):
         "mlx_peak": max(s["mlx_peak"] for s in steps),
         "budget": p.budget,
         # the pages' budget the governor gave the pager for the last step
-        # (--page-budget caps the plan's; the plan moves it as the steps
+        # (page_budget caps the plan's; the plan moves it as the steps
         # measure their peaks, after the last step too)
         "page_budget": res.steps[-1]["page_budget_bytes"]
         if res.steps

@@ -17,6 +17,7 @@ The page budget is what is left; it must hold the largest block's page.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -85,13 +86,23 @@ def _canonical_unit(unit: str):
     return None
 
 
-def format_size(n: float) -> str:
-    """Decimal units, as budgets are usually written: 1.23GB, 456MB."""
+def format_size(n: float, up: bool = False) -> str:
+    """Decimal units, as budgets are usually written: 1.23GB, 456MB.
+
+    `up`: rounded up, for a least value a message tells the user to give:
+    parse_size of the text is then at least `n` (rounded to nearest, a
+    suggested "at least 192.51KB" parsed to 192510 bytes, 2 under the least,
+    and the same message came back when the user gave it)."""
     n = float(n)
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{int(n)}B"
+            if not up:
+                return f"{n / scale:.2f}{unit}"
+            hundredths = math.ceil(n / scale * 100)
+            while int(float(f"{hundredths / 100:.2f}") * _UNITS[unit]) < n:  # as parse_size reads it back
+                hundredths += 1
+            return f"{hundredths / 100:.2f}{unit}"
+    return f"{math.ceil(n) if up else int(n)}B"
 
 
 @dataclass
@@ -138,7 +149,7 @@ class MemoryPlan:
         if self.page_budget < self.max_page:
             raise BudgetError(
                 f"--memory-budget {format_size(self.budget)} is too small for this "
-                f"model and batch: it needs at least {format_size(self.minimum)} "
-                f"({self.breakdown()}). Raise it to {format_size(self.minimum * 1.05)} "
+                f"model and batch: it needs at least {format_size(self.minimum, up=True)} "
+                f"({self.breakdown()}). Raise it to {format_size(self.minimum * 1.05, up=True)} "
                 "or more, or lower --max-seq-length (batches are already split down to one sequence)."
             )

@@ -65,6 +65,8 @@ def check_flags(args) -> None:
         raise ValueError(f"--readahead must be 0 (off) or more blocks, not {args.readahead}")
     if args.head_chunk_bytes is not None and args.head_chunk_bytes <= 0:
         raise ValueError(f"head_chunk_bytes must be positive, not {args.head_chunk_bytes}")
+    if getattr(args, "page_budget", None) is not None:
+        parse_size(args.page_budget, "page_budget")
     if args.memory_budget is not None:
         budget = parse_size(args.memory_budget)
         total = _physical_memory()

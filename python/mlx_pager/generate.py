@@ -223,7 +223,7 @@ class PagedModel:
         self.gov: Optional[Governor] = None
         # Benchmarks and tests: exactly this many bytes of pages besides the
         # rest of the plan (the memory budget follows from it).
-        self.fixed_page_budget = None if page_budget is None else int(page_budget)
+        self.fixed_page_budget = None if page_budget is None else parse_size(page_budget, "page_budget")
         self._pinned = weights.page_charge_bound(weights.resident_id)
         self.reserve(kv_tokens)  # sizes KV cache and prompt chunk, checks the budget
         self.gov = Governor(plan, weights.pager, pinned_bytes=self._pinned)
@@ -264,20 +264,21 @@ class PagedModel:
                 W = self.weights
                 parts = f" in {W.pages_per_block} parts" if W.pages_per_block > 1 else ""
                 raise BudgetError(
-                    f"page_budget {format_size(self.fixed_page_budget)} does not hold one block: the largest "
-                    f"block's pages may take {format_size(p.max_page)}{parts}. Raise page_budget to at least "
-                    f"{format_size(p.max_page)}, or leave it out (the memory budget plans the pages)."
+                    f"page_budget {self.fixed_page_budget} ({format_size(self.fixed_page_budget)}) does not hold "
+                    f"one block: the largest block's pages may take {p.max_page} bytes{parts}. Raise page_budget "
+                    f"to at least {p.max_page} ({format_size(p.max_page, up=True)}), or leave it out (the memory "
+                    "budget plans the pages)."
                 )
         if p.page_budget < p.max_page:
             need = p.fixed + p.max_page
             raise BudgetError(
                 f"--memory-budget {format_size(p.budget)} is too small to generate with this model: "
-                f"it needs at least {format_size(need)} (one block page {format_size(p.max_page)} + "
+                f"it needs at least {format_size(need, up=True)} (one block page {format_size(p.max_page)} + "
                 f"resident set (embeddings, norm, head) {format_size(p.resident)} + adapters "
                 f"{format_size(p.trainable)} + KV cache for {kv_tokens} tokens {format_size(kv)} + "
                 f"a {chunk}-token prompt chunk {format_size(p.activations - kv)} + process "
                 f"{format_size(p.baseline)} + slack {format_size(p.slack)}). Raise it to "
-                f"{format_size(need * 1.05)} or more, or lower --max-tokens or the prompt length."
+                f"{format_size(need * 1.05, up=True)} or more, or lower --max-tokens or the prompt length."
             )
         self.kv_tokens, self.prefill_chunk = kv_tokens, chunk
         if self.gov is not None:

@@ -219,7 +219,7 @@ class Governor:
         raise MemoryPressure(
             f"the process uses {format_size(rss)}, over its --memory-budget of "
             f"{format_size(self.plan.budget)}, with the page budget at its least. "
-            f"Raise --memory-budget to at least {format_size(rss + self.margin + self.plan.max_page)}, "
+            f"Raise --memory-budget to at least {format_size(rss + self.margin + self.plan.max_page, up=True)}, "
             "or lower --batch-size / --max-seq-length.",
             rss,
             over,

@@ -235,7 +235,7 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
                     f"iteration {it} does not fit in --memory-budget {format_size(s.plan.budget)}: the process "
                     f"uses {format_size(e.rss)}, and no placement that needs less is left (the least: "
                     f"{placement.describe(least, len(s.model.layers))}). Raise --memory-budget to at least "
-                    f"{format_size(need)}, or lower --max-seq-length."
+                    f"{format_size(need, up=True)}, or lower --max-seq-length."
                 ) from None
             q = s.placement
             rung = "split" if q.parts > p.parts else "spill" if q.spilled > p.spilled else "recompute"

@@ -119,7 +119,7 @@ class Session:
     sizes: Optional[placement.Sizes] = None
     shape: Optional[placement.Step] = None
     placement: Optional[placement.Placement] = None
-    page_cap: Optional[int] = None  # --page-budget: pages never get more
+    page_cap: Optional[int] = None  # page_budget: pages never get more
     # No placement with a longer tail, fewer spilled blocks or fewer parts:
     # set by the ladder (replan), or from the start by --grad-checkpoint.
     ceiling: Optional[placement.Placement] = None
@@ -344,7 +344,7 @@ class Session:
         against the same at the baseline: a later step's cache may be full
         beside it), and 2% more; the first step counts only until
         a second has run (it also holds one-off costs: compiling, start-up
-        probes). The pages make room (with --page-budget, the memory budget
+        probes). The pages make room (with page_budget, the memory budget
         follows: follow_pages). Returns True when the slack changed."""
         again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled, ran.ahead)
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
@@ -372,7 +372,7 @@ class Session:
         return True
 
     def follow_pages(self) -> None:
-        """With --page-budget, the memory budget follows the pages (open()):
+        """With page_budget, the memory budget follows the pages (open()):
         the fixed part, the activations of the placement with no block
         recomputed, from the sizes measured so far, and the pages. It only
         grows: a measured size or slack larger than the start-up's would
@@ -480,14 +480,14 @@ def frozen_block_bytes(model: nn.Module) -> Tuple[List[int], int]:
 
 def estimated_page_budget(args, model, config, seq_len: int, baseline: int, outside: int) -> Optional[int]:
     """The page budget open_session will plan, estimated before the pages
-    are registered (to choose --page-parts auto): --page-budget as given;
+    are registered (to choose --page-parts auto): page_budget as given;
     else the memory budget less the process, the pinned page, the slack,
     the margin and one recomputed block's activations by the formula
     (estimate_sizes: it over-estimates, so a borderline budget pages in
     parts; `outside`: frozen_block_bytes' second figure). None where the
     budget is not readable (open_session says why)."""
     if args.page_budget is not None:
-        return int(args.page_budget)
+        return parse_size(args.page_budget, "page_budget")
     try:
         budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
     except BudgetError:
@@ -710,16 +710,16 @@ def open_session(
         # Benchmarks and tests: exactly this many bytes of pages, besides
         # the activations of the fastest placement, with no block recomputed
         # (the tail streams its pages, stream.py; the memory budget follows).
-        page_cap = int(args.page_budget)
+        page_cap = parse_size(args.page_budget, "page_budget")
         if page_cap < max_page:
             # (A block bound whole, for validation or a recompute, needs
             # all its pages at once.)
             raise BudgetError(
-                f"--page-budget {format_size(page_cap)} does not hold one block: the largest block's pages "
-                f"take {format_size(max_page)}"
+                f"page_budget {page_cap} ({format_size(page_cap)}) does not hold one block: the largest "
+                f"block's pages take {max_page} bytes"
                 f"{f' in {weights.pages_per_block} parts' if weights.pages_per_block > 1 else ''}. "
-                f"Raise --page-budget to at least {format_size(max_page)}, or leave it out "
-                "(--memory-budget plans the pages)."
+                f"Raise page_budget to at least {max_page} ({format_size(max_page, up=True)}), or leave it out "
+                "(memory_budget plans the pages)."
             )
         if training and first < L and ceiling is None:
             # Nothing caps the memory here: measure the whole tail's
@@ -744,7 +744,9 @@ def open_session(
     least = placement.smallest(shape, sizes)
     plan.activations = least.activations
     if budget_error is not None:
-        raise BudgetError(f"{budget_error} This run needs at least {format_size(plan.minimum)} ({plan.breakdown()}).")
+        raise BudgetError(
+            f"{budget_error} This run needs at least {format_size(plan.minimum, up=True)} ({plan.breakdown()})."
+        )
     plan.check()
     first_placement = placement.choose(
         shape, sizes, plan.budget - plan.fixed_without_activations, page_cap, ceiling=ceiling

@@ -89,8 +89,8 @@ DEFAULTS = {
     "quiet": False,
     # Continue from adapter_path's resume state (resume.py).
     "resume": False,
-    # Benchmarks: a page budget in bytes; the memory budget is then the
-    # plan's fixed part plus this (memory_budget is ignored).
+    # Benchmarks: a page budget, bytes or a size ("200MB"); the memory budget
+    # is then the plan's fixed part plus this (memory_budget is ignored).
     "page_budget": None,
 }
 

@@ -52,7 +52,7 @@ def test_plan_too_small_names_the_minimum():
     assert plan.minimum == 5 * 10**7 + 10**7 + 10**6 + 2 * 10**7 + 10**7 + 3 * 10**7
     with pytest.raises(BudgetError) as e:
         plan.check()
-    assert format_size(plan.minimum) in str(e.value)
+    assert format_size(plan.minimum, up=True) in str(e.value)
     assert "one block page" in str(e.value)
     MemoryPlan(
         budget=plan.minimum,
@@ -63,3 +63,18 @@ def test_plan_too_small_names_the_minimum():
         slack=10**7,
         max_page=3 * 10**7,
     ).check()
+
+
+def test_a_size_rounded_up_reads_back_as_at_least_itself():
+    """format_size(n, up=True), the least a message tells the user to give:
+    parse_size of it is n or more, and within a hundredth of its unit."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(20000):
+        n = rng.randrange(1, 10 ** rng.randrange(1, 14))
+        text = format_size(n, up=True)
+        unit = text.lstrip("0123456789.")
+        assert n <= parse_size(text) <= n + {"B": 1, "KB": 10, "MB": 10**4, "GB": 10**7, "TB": 10**10}[unit], text
+    assert format_size(192512, up=True) == "192.52KB" and format_size(192512) == "192.51KB"
+    assert format_size(10**9, up=True) == "1.00GB" and format_size(999.5, up=True) == "1000B"

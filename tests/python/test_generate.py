@@ -113,6 +113,7 @@ def test_the_least_page_budget_generates_with_blocks_in_parts(models, tmp_path):
     with pytest.raises(BudgetError, match="page_budget .* does not hold one block") as e:
         load_paged(str(path), page_budget=least - 1, **kw)
     assert "in 4 parts" in str(e.value) and "memory-budget" not in str(e.value)
+    assert f"at least {least} (" in str(e.value)
     paged, ptok = load_paged(str(path), page_budget=least, **kw)
     mx.random.seed(0)
     assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=8)] == ref

@@ -159,18 +159,31 @@ def test_page_parts_auto_pages_whole_where_a_block_fits_the_budget_only_whole(mo
 
 
 def test_a_page_budget_under_one_block_is_refused_naming_the_least(models, tmp_path):
+    """The least is named in bytes, and in decimal units rounded up: given
+    back as written, either one trains (rounded to nearest, "at least
+    192.51KB" parsed 2 bytes under a least of 192512, and the same message
+    came back). A page budget may be written as a size."""
+    import re
+
     from mlx_lm.utils import load_model
 
-    from mlx_pager.budget import BudgetError, format_size
+    from mlx_pager.budget import BudgetError, format_size, parse_size
     from mlx_pager.store import block_footprints
 
     model = models("qwen3", 4, num_hidden_layers=6)
     m, _ = load_model(model, lazy=True)
     m.freeze()
     whole = max(block_footprints(m, model, 1))
-    with pytest.raises(BudgetError, match="--page-budget") as e:
-        run_one_step(model, tmp_path, "small", page_budget=whole // 2)
-    assert f"at least {format_size(whole)}" in str(e.value)
+    with pytest.raises(BudgetError, match="page_budget") as e:
+        run_one_step(model, tmp_path, "small", page_budget=whole // 2, page_parts=1)
+    assert f"at least {whole} ({format_size(whole, up=True)})" in str(e.value)
+    with pytest.raises(BudgetError, match="page_budget"):
+        run_one_step(model, tmp_path, "small", page_budget=whole - 1, page_parts=1)
+    text = re.search(r"at least \d+ \((\S+)\)", str(e.value)).group(1)
+    assert whole <= parse_size(text) < whole + 10
+    assert run_one_step(model, tmp_path, "given", page_budget=text, page_parts=1).train_losses
+    with pytest.raises(BudgetError, match="invalid page_budget '12 KB'"):
+        run_one_step(model, tmp_path, "bad", page_budget="12 KB")
 
 
 def test_evaluation_groups_as_many_batches_as_the_grouped_block_leaves_room_for():
