@@ -540,8 +540,9 @@ class Blocks:
             self.grouped[key] = same
         # else: seen the same with an adapter still all zeros (LoRA's B, as
         # initialised: the first validation's), which every order of
-        # summation computes alike; once trained, 1 in 4 shapes differed
-        # (validation 2e-5 off mlx-lm's). Compared again next time.
+        # summation computes alike; trained, a bf16 LoRA layer's group
+        # differed at 5 of 20 lengths (a validation 2e-5 off mlx-lm's).
+        # Compared again next time.
         return alone
 
     def _zero_adapter(self, i: int) -> bool:
