@@ -217,6 +217,7 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
                 spilled=p.spilled,
                 hold_tail=s.tail_hold(),
                 start=start,
+                grad_checkpoint=bool(getattr(s.args, "grad_checkpoint", False)),
             )
             if start is not None:
                 window.outputs[window.done] = None  # its step has them now

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import step
+from . import dropout, step
 
 
 def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: int) -> mx.array:
@@ -194,7 +194,9 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
             base = mx.get_active_memory()
             resident = pager.stats()["resident_bytes"]
             mx.reset_peak_memory()
-            loss, g_h, g_blocks = tail_value_and_grad(model, start, mb, h, [None] * L, chunk_bytes, st)
+            # dropout from keys of its own: mlx-lm's key sequence untouched
+            keys = [dropout.fixed(layer) for layer in model.layers]
+            loss, g_h, g_blocks = tail_value_and_grad(model, start, mb, h, keys, chunk_bytes, st)
             mx.eval(loss, g_blocks, [] if g_h is None else g_h)
             # less the pages it read and kept: the plan counts pages apart
             read = max(0, pager.stats()["resident_bytes"] - resident)

@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import dropout
 from .layers import BlockList, NotPageable, architecture
 from .prefix import GROUP_TOKENS
 from .stream import Stream, forward_pages
@@ -153,43 +154,7 @@ def stand_ins(model: nn.Module, make):
         where.replace(real)
 
 
-class _KeyedDropout(nn.Module):
-    """nn.Dropout with an explicit key, so that the backward pass's recompute
-    draws the same mask as the forward pass did."""
-
-    def __init__(self, p_keep: float, key: mx.array):
-        super().__init__()
-        self._p_keep, self._key = p_keep, key
-
-    def __call__(self, x):
-        mask = mx.random.bernoulli(self._p_keep, x.shape, key=self._key)
-        return (mask * x) * (1 / self._p_keep)
-
-
-@contextmanager
-def keyed_dropout(layer: nn.Module, key: Optional[mx.array]):
-    """Within the block, replaces every active nn.Dropout (p > 0, training) by
-    a _KeyedDropout drawing from `key`, and puts them back afterwards. A block
-    without active dropout (mlx-lm's default, dropout 0.0) is left alone, so
-    its math is exactly mlx-lm's."""
-    found = []
-    for name, m in layer.named_modules():
-        if isinstance(m, nn.Dropout) and m.training and m._p_1 < 1:
-            found.append((name, m))
-    if not found or key is None:
-        yield False
-        return
-    keys = mx.random.split(key, len(found))
-    modules = dict(layer.named_modules())
-    try:
-        for (name, m), k in zip(found, keys):
-            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            modules[parent][attr] = _KeyedDropout(m._p_1, k)
-        yield True
-    finally:
-        for name, m in found:
-            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            modules[parent][attr] = m
+keyed_dropout = dropout.keyed  # (segment.py runs its blocks under it too)
 
 
 @dataclass
@@ -207,6 +172,10 @@ class MicroBatch:
     h0: mx.array = None
     calls: list = field(default_factory=list)  # (args, kwargs) per block
     norm: mx.array = None  # the whole batch's token count (ntoks when unsplit)
+    # Where a batch was split to fit: its rows, and this part's first row
+    # (dropout.py draws the batch's masks and takes the part's rows).
+    batch_rows: Optional[int] = None
+    row0: int = 0
 
     def __post_init__(self):
         if self.norm is None:
@@ -250,6 +219,7 @@ def split_batch(batch: mx.array, lengths: mx.array, parts: int, shared_norm: boo
     out = []
     for r in range(0, rows, size):
         mb = MicroBatch.from_batch(batch[r : r + size], lengths[r : r + size])
+        mb.batch_rows, mb.row0 = rows, r
         if shared_norm:
             mb.norm = whole.ntoks
         out.append(mb)
@@ -477,8 +447,8 @@ class Blocks:
 
     def forward(self, i: int, h: mx.array, call, key=None) -> mx.array:
         layer = self.model.layers[i]
-        with keyed_dropout(layer, key) as dropout:
-            if dropout or not self.compile or i in self.uncompiled:
+        with keyed_dropout(layer, key) as drops:
+            if drops or not self.compile or i in self.uncompiled:
                 return run_block(layer, h, call)
         if i not in self._fwd:
 
@@ -571,8 +541,8 @@ class Blocks:
 
     def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
         layer = self.model.layers[i]
-        with keyed_dropout(layer, key) as dropout:
-            if dropout or not self.compile or i in self.uncompiled:
+        with keyed_dropout(layer, key, backward=True) as drops:
+            if drops or not self.compile or i in self.uncompiled:
                 return block_vjp(layer, h, call, cotangent)
         names = _trainable_names(layer)
         if i not in self._bwd:
@@ -608,8 +578,10 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
         mx.eval(h)
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        g_h, g_p = block_vjp(model.layers[block], h, mb.calls[block], mx.ones_like(h))
-        mx.eval(g_h, g_p)
+        layer = model.layers[block]
+        with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
+            g_h, g_p = block_vjp(layer, h, mb.calls[block], mx.ones_like(h))
+            mx.eval(g_h, g_p)
         used = max(0, mx.get_peak_memory() - base)
         del g_h, g_p
     mx.reset_peak_memory()
@@ -684,16 +656,6 @@ def step_pages(
     return ids
 
 
-def _dropout_keys(model: nn.Module, num_blocks: int, num_micro: int):
-    """keys[i][m] for block i, micro-batch m; all None without active dropout."""
-    active = any(isinstance(m, nn.Dropout) and m.training and m._p_1 < 1 for _, m in model.named_modules())
-    if not active:
-        return [[None] * num_micro for _ in range(num_blocks)]
-    step_key = mx.random.key(int(mx.random.randint(0, 2**31 - 1, ()).item()))
-    keys = mx.random.split(step_key, num_blocks * num_micro)
-    return [[keys[i * num_micro + m] for m in range(num_micro)] for i in range(num_blocks)]
-
-
 def paged_value_and_grad(
     model: nn.Module,
     weights,
@@ -707,6 +669,7 @@ def paged_value_and_grad(
     spilled: int = 0,
     hold_tail: bool = False,
     start: Optional[List[mx.array]] = None,
+    grad_checkpoint: bool = False,
 ) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
     """Losses and token counts per micro-batch, and the SUM over micro-batches
     of the adapter gradients, as a flat {model parameter path: grad} dict.
@@ -724,6 +687,12 @@ def paged_value_and_grad(
     `start`: each micro-batch's input to the first trained block, computed
     ahead (prefix_forward: the frozen blocks below it do not depend on the
     adapters); the forward sweep then starts there.
+
+    Active dropout draws mlx-lm's masks (dropout.py): the micro-batches are
+    its batches in order (a split batch's parts consecutive), and
+    `grad_checkpoint` (mlx-lm's --grad-checkpoint) recomputes with the new
+    masks mlx-lm's checkpointed blocks draw in its backward pass. The global
+    key sequence moves past the step's draws only when the step is done.
 
     `probe` (a dict) gets what this step measured, for the placement
     planner (placement.py), from MLX's peak-memory counter (which it
@@ -745,10 +714,11 @@ def paged_value_and_grad(
         mb.record(model)
 
     # Forward, layer-major, up to the tail. Active dropout draws from
-    # per-(block, micro-batch) keys so that the backward pass's recompute sees
-    # the same masks; without it (mlx-lm's default) the global PRNG is left
-    # untouched, as mlx-lm does.
-    keys = _dropout_keys(model, L, len(micro_batches))
+    # per-(block, micro-batch) keys, mlx-lm's (dropout.plan), so that the
+    # backward pass's recompute sees the masks it should; without it
+    # (mlx-lm's default) the global PRNG is left untouched, as mlx-lm does.
+    redrawn = dropout.checkpointed_blocks(model, first) if grad_checkpoint else set()
+    keys, draws = dropout.plan(model, micro_batches, redrawn)
     if start is not None and len(start) != len(micro_batches):
         raise ValueError(f"{len(start)} prefix outputs for {len(micro_batches)} micro-batches")
     hs = list(start) if start is not None else [mb.h0 for mb in micro_batches]
@@ -873,6 +843,7 @@ def paged_value_and_grad(
             on_block("backward", i)
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
+    dropout.advance(draws)
     return losses, ntoks, grads
 
 

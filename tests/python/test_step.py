@@ -191,7 +191,7 @@ def _train_like(*models):
     training (B starts at zeros)."""
     for m in models:
         key = mx.random.key(7)
-        for name, layer in sorted(m.named_modules(), key=lambda x: x[0]):
+        for _name, layer in sorted(m.named_modules(), key=lambda x: x[0]):
             if hasattr(layer, "lora_b"):
                 key, sub = mx.random.split(key)
                 layer.lora_b = 0.05 * mx.random.normal(layer.lora_b.shape, key=sub)

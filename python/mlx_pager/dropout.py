@@ -1,0 +1,185 @@
+"""LoRA dropout with mlx-lm's masks, replayed where a block is recomputed.
+
+mlx-lm's ``nn.Dropout`` draws each mask from MLX's global key sequence
+(``mx.random.bernoulli`` without a key: the sequence's next key, the state
+split in two, one half kept as the new state). Its training step, batch by
+batch, runs the whole model forward, so the draws come in this order:
+
+  forward    for each block 0..L-1, one draw per dropout call, in call
+             order (the order the block's forward reaches its LoRA layers,
+             not the order its modules are registered in);
+  backward   only with ``--grad-checkpoint``: mlx-lm's checkpointed blocks
+             (those of the class of ``model.layers[0]`` whose vjp the
+             gradient reaches: from the first trained block up) run their
+             forward again inside the vjp, from the last block down, and
+             draw new masks there (their gradients are not those of the
+             forward's masks; measured: 2 draws a step for one block).
+
+The paged step runs the blocks layer-major over several micro-batches and
+recomputes blocks in its backward sweep, so it cannot let the masks come
+from the global sequence as the blocks run. ``plan`` computes, from the
+global state at the step's start, the key each (block, micro-batch,
+call) gets in mlx-lm's order, and ``advance`` then moves the global
+state past the step's draws, as mlx-lm's step leaves it. A step retried
+after MemoryPressure plans again from the same state (``advance`` runs only
+once a step is done). A micro-batch that is part of a batch split to fit
+draws the whole batch's mask from its key and takes its own rows (the
+batch's parts then see mlx-lm's masks; their sums still differ from the
+whole batch's by float rounding).
+
+A block without active dropout (p = 0, mlx-lm's default, or evaluation) is
+left alone: its math and the global state are exactly mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Set, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def active(layer: nn.Module) -> List[Tuple[str, nn.Dropout]]:
+    """The block's dropout modules that draw masks (p > 0, training)."""
+    return [(name, m) for name, m in layer.named_modules() if isinstance(m, nn.Dropout) and m.training and m._p_1 < 1]
+
+
+@dataclass
+class BlockDraws:
+    """The keys of one block's dropout calls for one micro-batch, in call
+    order: `forward` for its forward pass, `backward` for its recompute in
+    the backward sweep (the same keys, except where mlx-lm's
+    --grad-checkpoint draws new ones). `rows`: the whole batch's rows where
+    the micro-batch is `part_rows` rows of it from `row0` (None: the batch)."""
+
+    forward: List[mx.array]
+    backward: List[mx.array]
+    rows: Optional[int] = None
+    row0: int = 0
+    part_rows: int = 0
+
+
+class KeyedDropout(nn.Module):
+    """nn.Dropout drawing its mask from the next of a block's keys (shared
+    by the block's dropout modules through `at`, so they take them in call
+    order) instead of the global key sequence."""
+
+    def __init__(self, p_keep: float, keys: List[mx.array], draws: BlockDraws, at: List[int]):
+        super().__init__()
+        self._p_keep, self._keys, self._draws, self._at = p_keep, keys, draws, at
+
+    def __call__(self, x):
+        j = self._at[0]
+        self._at[0] += 1
+        keys = self._keys
+        # More calls than modules (a module called twice): keys of its own,
+        # the same in the recompute (not mlx-lm's; none of its layers does).
+        key = keys[j] if j < len(keys) else mx.random.split(keys[-1], j + 1)[j]
+        d = self._draws
+        if d.rows is not None and x.ndim and x.shape[0] == d.part_rows:
+            mask = mx.random.bernoulli(self._p_keep, (d.rows, *x.shape[1:]), key=key)[d.row0 : d.row0 + d.part_rows]
+        else:
+            mask = mx.random.bernoulli(self._p_keep, x.shape, key=key)
+        return (mask * x) * (1 / self._p_keep)
+
+
+@contextmanager
+def keyed(layer: nn.Module, draws: Optional[BlockDraws], backward: bool = False):
+    """Within the block, every active nn.Dropout replaced by a KeyedDropout
+    drawing `draws`' forward (or `backward`) keys in call order; put back
+    afterwards. Yields whether any was replaced (a block with dropout runs
+    uncompiled: a compiled graph would freeze its keys)."""
+    found = active(layer) if draws is not None else []
+    if not found:
+        yield False
+        return
+    keys = draws.backward if backward else draws.forward
+    at = [0]
+    modules = dict(layer.named_modules())
+    try:
+        for name, m in found:
+            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            modules[parent][attr] = KeyedDropout(m._p_1, keys, draws, at)
+        yield True
+    finally:
+        for name, m in found:
+            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            modules[parent][attr] = m
+
+
+def fixed(layer: nn.Module) -> Optional[BlockDraws]:
+    """Draws for a measurement run of the block (the planner's probes), from
+    a key of their own: the masks cost what the step's do, and mlx-lm's
+    global key sequence is left as it is. None without active dropout."""
+    c = len(active(layer))
+    if not c:
+        return None
+    keys = list(mx.random.split(mx.random.key(0), c))
+    return BlockDraws(keys, keys)
+
+
+def checkpointed_blocks(model: nn.Module, first_trained: int) -> Set[int]:
+    """The blocks whose forward mlx-lm's --grad-checkpoint runs again in the
+    backward pass: its grad_checkpoint patches the class of model.layers[0],
+    and the gradient reaches the blocks from the first trained one up."""
+    layers = model.layers
+    return {i for i in range(first_trained, len(layers)) if type(layers[i]) is type(layers[0])}
+
+
+def plan(
+    model: nn.Module, micro_batches: Sequence, redrawn: Set[int] = frozenset()
+) -> Tuple[List[List[Optional[BlockDraws]]], int]:
+    """(draws[i][m] for block i and micro-batch m, or None where block i has
+    no active dropout; the number of global draws the step makes), in
+    mlx-lm's order from the global key state now (see the module's
+    docstring). Micro-batches are in their batches' order; a batch's parts
+    are consecutive, its first at row0 0. `redrawn`: the blocks mlx-lm's
+    --grad-checkpoint draws again in its backward pass (checkpointed_blocks),
+    empty without it. Nothing is drawn from the global sequence here."""
+    L, M = len(model.layers), len(micro_batches)
+    counts = [len(active(layer)) for layer in model.layers]
+    table: List[List[Optional[BlockDraws]]] = [[None] * M for _ in range(L)]
+    if not any(counts):
+        return table, 0
+    state = mx.random.state[0]
+    n = 0
+
+    def take(k: int) -> List[mx.array]:
+        nonlocal state, n
+        out = []
+        for _ in range(k):
+            state, key = mx.random.split(state)
+            out.append(key)
+        n += k
+        return out
+
+    batches: List[List[int]] = []  # micro-batch indices of each batch
+    for m, mb in enumerate(micro_batches):
+        if getattr(mb, "row0", 0) == 0 or not batches:
+            batches.append([])
+        batches[-1].append(m)
+    for parts in batches:
+        forward = [take(c) for c in counts]
+        backward = list(forward)
+        for i in sorted(redrawn, reverse=True):
+            if counts[i]:
+                backward[i] = take(counts[i])
+        for m in parts:
+            mb = micro_batches[m]
+            rows = getattr(mb, "batch_rows", None)
+            part_rows = int(mb.inputs.shape[0])
+            for i in range(L):
+                if counts[i]:
+                    table[i][m] = BlockDraws(
+                        forward[i], backward[i], rows if rows != part_rows else None, getattr(mb, "row0", 0), part_rows
+                    )
+    return table, n
+
+
+def advance(n: int) -> None:
+    """Moves MLX's global key sequence past `n` draws (the step's, as
+    mlx-lm's step leaves it): each random op without a key takes one."""
+    for _ in range(n):
+        mx.random.uniform(shape=(1,))
