@@ -899,6 +899,63 @@ def check(model_type: str, dtype: str, root, compile: bool = False, page_parts: 
     return done("fail", "; ".join(bad[:3])) if bad else done("pass")
 
 
+GENERATE_PROMPT = [3, 17, 42, 5, 99, 8, 250, 11]  # token ids of the tiny vocabulary
+
+
+def check_generation(model_type: str, dtype: str, root, tokens: int = 5) -> Result:
+    """Generation at the least page budget (one block's pages), each block a
+    page, against mlx-lm's own model: a prompt's prefill and `tokens` greedy
+    decode steps through a prompt cache (mlx-lm's make_prompt_cache), every
+    step's logits BITWISE equal. "cannot build" where mlx-lm's loader (its
+    tokenizer's config check included) refuses the tiny model."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from .generate import load_paged
+    from .layers import NotPageable
+
+    t0 = time.perf_counter()
+
+    def done(status, reason=""):
+        return Result(model_type, dtype, status, reason, time.perf_counter() - t0)
+
+    if model_type in EXCLUDED:
+        return done("cannot build", EXCLUDED[model_type])
+    cache_dir = str(Path(root) / "swap")
+    try:
+        path = build(model_type, dtype, root)
+        ref, _ = load_model(path)
+        probe, _ = load_paged(str(path), ssd_cache_dir=cache_dir, page_parts=1)
+        least = probe.weights.max_block_charge
+        del probe
+    except NotPageable as e:
+        return done("refused", str(e))
+    except Exception as e:
+        return done("cannot build", _one_line(e))
+
+    def run(model) -> List[mx.array]:
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([GENERATE_PROMPT]), cache=cache)[:, -1]
+        out = [logits]
+        for _ in range(tokens):
+            logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)[:, -1]
+            out.append(logits)
+        mx.eval(out)
+        return out
+
+    try:
+        want = run(ref)
+        del ref
+        paged, _ = load_paged(str(path), ssd_cache_dir=cache_dir, page_parts=1, page_budget=least)
+        got = run(paged)
+    except NotPageable as e:
+        return done("refused", str(e))
+    except Exception as e:
+        return done("fail", _one_line(e))
+    bad = [k for k, (a, b) in enumerate(zip(want, got)) if not mx.array_equal(a, b).item()]
+    return done("fail", f"logits differ at steps {bad} (0: the prompt)") if bad else done("pass")
+
+
 def run_matrix(root, archs=None, dtypes=DTYPES, log=None, compile: bool = False) -> List[Result]:
     results = []
     for mt in archs or model_types():

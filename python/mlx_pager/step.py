@@ -343,10 +343,39 @@ def head_loss(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -
 def head_call(model: nn.Module, inputs: mx.array, h: mx.array, **kwargs) -> mx.array:
     """The model's own ``__call__`` on `inputs` with its blocks stood in for,
     the last returning `h`: the model's head (final norm, LM head, any
-    softcapping) applied to the last hidden state."""
+    softcapping) applied to the last hidden state. What that call does to
+    the cache objects among `kwargs` (generation's) outside the blocks is
+    undone: the recording pass (record_calls) already did it, once, as the
+    model's own call does (longcat_flash_ngram's n-gram embedding appends
+    the new tokens to a cache of its own; twice, its decode diverged from
+    mlx-lm's at the second token)."""
     last = len(model.layers) - 1
-    with stand_ins(model, lambda i, l: _Emit(l, h) if i == last else _Pass(l)):
-        return model(inputs, **kwargs)
+    saved = [(c, _attributes(c)) for c in _cache_objects(kwargs.get("cache"))]
+    try:
+        with stand_ins(model, lambda i, l: _Emit(l, h) if i == last else _Pass(l)):
+            return model(inputs, **kwargs)
+    finally:
+        for c, attrs in saved:
+            vars(c).clear()
+            vars(c).update({k: list(v) if isinstance(v, list) else v for k, v in attrs.items()})
+
+
+def _cache_objects(cache) -> list:
+    """The cache objects in a model call's `cache` argument (mlx-lm's list of
+    per-layer caches, CacheList's members included)."""
+    if cache is None or isinstance(cache, mx.array):
+        return []
+    if isinstance(cache, (list, tuple)):
+        return [c for x in cache for c in _cache_objects(x)]
+    if not hasattr(cache, "__dict__"):
+        return []
+    return [cache] + _cache_objects(getattr(cache, "caches", None))
+
+
+def _attributes(obj) -> dict:
+    """A copy of obj's attributes, lists copied (ArraysCache sets its list's
+    items in place)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in vars(obj).items()}
 
 
 def _head_ce(model, inputs, targets, mask, h):

@@ -119,6 +119,31 @@ def test_the_least_page_budget_generates_with_blocks_in_parts(models, tmp_path):
     assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=8)] == ref
 
 
+@pytest.mark.parametrize("model_type", ["plamo3", "longcat_flash_ngram"])
+def test_models_keeping_state_of_their_own_generate_as_mlx_lm_at_the_least_page_budget(tmp_path, model_type):
+    """Found by generating every architecture at its least page budget:
+    - plamo3's RMSNorm, in eval mode, keeps the weight it last saw beside
+      the scale it caches from it: that reference kept each released
+      page's frame alive, and the second block found no room ("evicted
+      pages are still referenced outside the pager");
+    - longcat_flash_ngram's n-gram embedding appends the new tokens to a
+      cache of its own, outside the blocks: the head's call (step.head_call)
+      appended them again, and decode left mlx-lm's tokens at the second."""
+    from mlx_pager import architectures as A
+
+    path = A.build(model_type, "4bit", tmp_path)
+    model, tok = mlx_lm.load(str(path))
+    mx.random.seed(0)
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=6)]
+    del model
+    probe, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"))
+    least = probe.weights.max_block_charge
+    del probe
+    paged, ptok = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"), page_budget=least)
+    mx.random.seed(0)
+    assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=6)] == ref
+
+
 def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     """Prefill is layer-major per chunk: a chunk's tokens pass through a block
     together, so a block is read at most once per chunk, not once per token;

@@ -74,6 +74,26 @@ def test_unbinding_twice_is_an_error(models, tmp_path):
         w.unbind(1)
 
 
+def test_a_module_s_own_reference_to_a_page_array_leaves_with_it(models, tmp_path):
+    """A module may keep the weight it last saw (plamo3's RMSNorm in eval
+    mode keeps `_scale_weight` to know when its cached scale is stale):
+    unbinding points that entry at the placeholder too, or it would keep
+    the page's frame alive after its release."""
+    path = models("llama", None)
+    w = PagedWeights(lazy(path), path, budget_bytes=1 << 30)
+    norm = w.model.model.layers[1].input_layernorm
+    w.bind(1)
+    page_array = norm.weight
+    norm._seen = norm.weight  # as a module caching from its weight does
+    norm._other = mx.ones((3,))
+    w.unbind(1)
+    assert norm._seen is norm.weight and norm._seen is not page_array  # the placeholder
+    assert norm._other.tolist() == [1.0, 1.0, 1.0]  # anything else is left alone
+    w.bind(1)
+    assert norm.weight is not norm._seen  # a module comparing with `is` sees it is new
+    w.unbind(1)
+
+
 def test_tensors_changed_by_sanitize_are_not_read_in_place(tmp_path):
     """baichuan_m1's sanitize normalizes its LM head's rows on loading: same
     name, shape and dtype as in the file, other values. Reading that tensor
