@@ -178,8 +178,24 @@ def plan(
     return table, n
 
 
+_drawn = [0]  # draws advance() made since reset(): what resume.py keeps
+
+
 def advance(n: int) -> None:
     """Moves MLX's global key sequence past `n` draws (the step's, as
     mlx-lm's step leaves it): each random op without a key takes one."""
     for _ in range(n):
         mx.random.uniform(shape=(1,))
+    _drawn[0] += n
+
+
+def reset() -> None:
+    """Training starts (the global sequence just seeded): no draws yet."""
+    _drawn[0] = 0
+
+
+def drawn() -> int:
+    """The steps' draws since reset(). A resumed run (resume.py) seeds,
+    makes the adapters as the interrupted run did, and advances past these:
+    its masks are then the uninterrupted run's."""
+    return _drawn[0]

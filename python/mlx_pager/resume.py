@@ -9,7 +9,9 @@ interrupted) holding:
   adapters       every trainable array
   optimizer      the optimizer's whole state (moments, step count, learning rate)
   metadata       the iteration reached, the report sums since the last report,
-                 and a key of the options that decide the trajectory
+                 a key of the options that decide the trajectory, and the
+                 draws LoRA dropout took from MLX's global key sequence
+                 (dropout.py: the resumed run advances past them)
 
 ``mlx-pager lora --resume`` (``PagedTrainer.lora(resume=True)``) loads it and
 continues with iteration + 1. The data order is replayed, not stored: batches
@@ -29,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import files
+from . import dropout, files
 
 STATE_FILE = "resume_state.safetensors"
 # The options whose change makes a resumed run a different run.
@@ -70,6 +72,9 @@ def save(adapter_path: Path, model, optimizer, iteration: int, args, reports: di
         "key": _digest(trajectory_key(args)),
         "options": trajectory_key(args),
         "reports": reports,
+        # MLX's global key draws the steps made (LoRA dropout's masks,
+        # dropout.py): a resumed run advances past them
+        "dropout_draws": dropout.drawn(),
     }
     return files.save_safetensors(
         Path(adapter_path) / STATE_FILE, arrays, metadata={"mlx_pager_resume": json.dumps(meta, default=str)}
@@ -106,6 +111,7 @@ def load(adapter_path: Path, model, optimizer, args) -> dict:
     state = [(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")]
     optimizer.state = tree_unflatten(state)
     mx.eval(model.trainable_parameters(), optimizer.state)
+    dropout.advance(int(meta.get("dropout_draws", 0)))
     return meta
 
 

@@ -30,7 +30,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import blas, checks, files, interrupt, loop, resume
+from . import blas, checks, dropout, files, interrupt, loop, resume
 from .budget import MemoryPlan
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
 from .governor import return_freed_memory_to_os
@@ -350,6 +350,7 @@ def _attach_adapters(args, model, cb: PagerCallback):
 
     if args.train:
         mx.random.seed(args.seed)
+        dropout.reset()
         linear_to_lora_layers(model, args.num_layers, args.lora_parameters, use_dora=(args.fine_tune_type == "dora"))
         if args.resume_adapter_file is not None:
             cb.on_message(f"Loading fine-tuned weights from {args.resume_adapter_file}")

@@ -113,3 +113,59 @@ def test_resume_with_other_options_is_refused(models, data, tmp_path):
         flags(model, data, tmp_path, "none") + ["--resume"], capture_output=True, text=True, timeout=600
     )
     assert missing.returncode == 2 and "resume_state.safetensors does not exist" in missing.stderr
+
+
+def test_resume_with_lora_dropout_draws_the_uninterrupted_run_s_masks(models, data, tmp_path):
+    """LoRA dropout's masks come from MLX's global key sequence
+    (dropout.py): the resume state keeps how many draws the steps took, and
+    the resumed run moves the sequence past them (without that, its masks
+    are those of the run's first steps again)."""
+    import copy
+    import types
+
+    from mlx_pager.callbacks import PagerCallback
+    from mlx_pager.trainer import DEFAULTS, run
+
+    class Losses(PagerCallback):
+        def __init__(self, stop_at=None):
+            self.got, self.stop_at = {}, stop_at
+
+        def on_train_loss_report(self, info):
+            self.got[info["iteration"]] = info["train_loss"]
+            if info["iteration"] == self.stop_at:
+                raise RuntimeError("stopped")
+
+    base = dict(
+        DEFAULTS,
+        train=True,
+        model=str(models("llama", None)),
+        data=str(data),
+        iters=6,
+        batch_size=2,
+        num_layers=2,
+        learning_rate=1e-2,
+        steps_per_report=1,
+        steps_per_eval=100,
+        val_batches=1,
+        save_every=1,
+        seed=0,
+        memory_budget="2GB",
+        ssd_cache_dir=str(tmp_path / "c"),
+        quiet=True,
+        lora_parameters={"rank": 8, "scale": 20.0, "dropout": 0.2},
+    )
+
+    def args(name, **kw):
+        return types.SimpleNamespace(**copy.deepcopy(dict(base, adapter_path=str(tmp_path / name), **kw)))
+
+    full = Losses()
+    run(args("full"), full)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(args("cut"), Losses(stop_at=3))
+    resumed = Losses()
+    run(args("cut", resume=True), resumed)
+    assert sorted(resumed.got)[-3:] == [4, 5, 6]  # from the last state saved (at 2 or 3)
+    assert all(resumed.got[i] == full.got[i] for i in resumed.got), (resumed.got, full.got)
+    a = mx.load(str(tmp_path / "full" / "adapters.safetensors"))
+    b = mx.load(str(tmp_path / "cut" / "adapters.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
