@@ -458,6 +458,18 @@ class Blocks:
         self.bound_whole: List[int] = []
         self.tail = Tail(model, compile and compile_tail)  # the no-recompute tail segment (segment.py)
 
+    def stop_compiling(self) -> bool:
+        """Runs every block and the tail uncompiled from now on (the
+        governor's last rung: compiled graphs' JIT kernels are memory of the
+        process that no placement gives back). False if already so."""
+        if not self.compile and not self.tail.compile:
+            return False
+        self.compile, self.tail.compile = False, False
+        self._fwd.clear()
+        self._bwd.clear()
+        self.tail._fns.clear()
+        return True
+
     def _compiled(self, i: int, fn, *args):
         """fn(*args) compiled; None when the block cannot be compiled (the
         trace failed), after which the caller runs it uncompiled."""

@@ -265,7 +265,9 @@ def test_last_rung_saves_the_adapters_and_names_what_would_fit(ladder_model, lad
     assert "iteration 3 does not fit" in str(e.value) and "iteration 2 are saved" in str(e.value)
     same(ref, mx.load(str(tmp_path / "stop" / "ad" / "adapters.safetensors")), exact=True)
     report = [json.loads(l) for l in (tmp_path / "stop" / "report.jsonl").read_text().splitlines()]
-    assert [r["rung"] for r in report if r["type"] == "governor"][-1] == "stop"
+    # before stopping, the blocks ran uncompiled once more (mx.compile's JIT
+    # kernels are memory no placement gives back)
+    assert [r["rung"] for r in report if r["type"] == "governor"][-2:] == ["uncompile", "stop"]
 
 
 class Hog(PagerCallback):

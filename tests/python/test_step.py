@@ -232,6 +232,24 @@ def test_a_group_seen_alike_on_untrained_adapters_is_compared_again_once_trained
     assert {i for i, _ in blocks.grouped} == {0, 1, 2}
 
 
+def test_blocks_stop_compiling_once_with_the_same_bits(models, tmp_path):
+    """The governor's last rung (Blocks.stop_compiling): every block and the
+    tail run uncompiled from then on; the step's results are the same bits."""
+    path = models("llama", None)
+    (batch,) = batches(path, 1)
+    model, w = paged(path, 2, "in_place", tmp_path)
+    blocks = S.Blocks(model)
+    mbs = [S.MicroBatch.from_batch(*batch)]
+    before = S.paged_value_and_grad(model, w, mbs, blocks=blocks, tail_start=3)
+    assert blocks._fwd and blocks._bwd
+    assert blocks.stop_compiling() and not blocks.stop_compiling()
+    assert not blocks._fwd and not blocks._bwd and not blocks.compile and not blocks.tail.compile
+    after = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=3)
+    assert not blocks._fwd and not blocks.tail._fns
+    assert before[0][0].item() == after[0][0].item()
+    assert not A.bitwise_mismatches(before[2], after[2])
+
+
 def test_a_block_mx_compile_cannot_trace_runs_uncompiled(tmp_path):
     """dbrx's router evaluates arrays inside the block, which mx.compile
     refuses: step.Blocks remembers that and runs the block uncompiled, with
