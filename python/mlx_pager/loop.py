@@ -71,10 +71,20 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
 
     on_block = on_block or check_block
     for g in range(0, len(batches), group):
-        for loss, toks in step.paged_loss(
-            model, s.weights, batches[g : g + group], args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+        for mb, (loss, toks) in zip(
+            batches[g : g + group],
+            step.paged_loss(
+                model, s.weights, batches[g : g + group], args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+            ),
         ):
-            all_losses += loss * toks
+            if mb.batch_rows is not None:
+                # A part of a batch split to fit may hold no target token
+                # (a masked prompt cut by --max-seq-length): its loss is
+                # 0/0, and NaN x 0 is NaN; it adds nothing, as its rows add
+                # nothing to the whole batch's sum (validation was NaN).
+                all_losses += mx.where(toks > 0, loss * toks, 0.0)
+            else:
+                all_losses += loss * toks
             ntokens += toks
             mx.eval(all_losses, ntokens)
             if advance is not None:

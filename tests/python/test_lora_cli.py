@@ -120,6 +120,51 @@ def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulati
         assert all(mx.array_equal(r[k], g[k]).item() for k in r), n
 
 
+def test_a_split_batch_s_part_without_targets_adds_nothing_to_validation(models, tmp_path):
+    """Validation of a batch split to fit (forced here: 2 parts), masked
+    prompts cut by --max-seq-length so that one part holds no target token:
+    that part's loss is 0/0, and it made the validation loss NaN (a random
+    sweep at the least --memory-budget found it). It adds nothing, and the
+    loss is mlx-lm's up to the rounding of a split batch."""
+    import dataclasses
+
+    data = tmp_path / "data"
+    short = [{"prompt": "Q: 1+1?", "completion": " A: 2. The capital of Peru is Lima."}] * 2
+    long = [{"prompt": "The capital of Spain is Madrid. " * 6, "completion": " Yes."}] * 2
+    write_jsonl(data / "train.jsonl", short + long)
+    write_jsonl(data / "valid.jsonl", short + long)
+    flags = dict(
+        train=True,
+        data=str(data),
+        batch_size=4,
+        num_layers=2,
+        learning_rate=1e-3,
+        iters=1,
+        steps_per_report=1,
+        steps_per_eval=1,
+        save_every=100,
+        val_batches=-1,
+        seed=0,
+        mask_prompt=True,
+        max_seq_length=24,
+    )
+    model = str(models("llama", None))
+    ref, got = Recorder(), Recorder()
+    mlx_lm_train(
+        types.SimpleNamespace(**dict(CONFIG_DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "r"))), ref
+    )
+
+    class Split(Recorder):
+        def on_session(self, session):
+            session.placement = dataclasses.replace(session.placement, parts=2)
+
+    got = Split()
+    b = dict(DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "p"), ssd_cache_dir=str(tmp_path / "c"))
+    paged_run(types.SimpleNamespace(**dict(b, quiet=True, memory_budget="2GB")), got)
+    (i, val), (j, want) = got.val[0], ref.val[0]
+    assert i == j == 0 and val == pytest.approx(want, rel=1e-5), (val, want)
+
+
 FAKE_WANDB = """
 import json, os
 def _rec(kind, **kw):
