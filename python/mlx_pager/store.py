@@ -304,7 +304,7 @@ class PagedWeights:
                 raise ValueError(
                     f"page '{page_name}' cannot be read in place: {bad} are not stored "
                     "in the model's safetensors files as the model holds them; "
-                    "use store='auto' or 'swap'"
+                    "use --store auto or swap (store='auto' or 'swap' from Python)"
                 )
             if in_place:
                 tensors = _in_place_tensors(index, names)

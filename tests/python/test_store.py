@@ -103,8 +103,9 @@ def test_tensors_changed_by_sanitize_are_not_read_in_place(tmp_path):
 
     path = A.build("baichuan_m1", "bf16", tmp_path)
     ref = dict(tree_flatten(load_model(path)[0].parameters()))
-    with pytest.raises(ValueError, match="lm_head.weight"):
+    with pytest.raises(ValueError, match="lm_head.weight") as e:
         PagedWeights(lazy(path), path, budget_bytes=1 << 30, store="in_place")
+    assert "use --store auto or swap" in str(e.value)  # the fix, as a CLI user writes it
     model = lazy(path)
     w = PagedWeights(model, path, budget_bytes=1 << 30, ssd_cache_dir=str(tmp_path / "swap"), store="auto")
     assert w.store_kind[w.resident_id] == "swap" and w.store_kind[w.block_pages[0][0]] == "in_place"
