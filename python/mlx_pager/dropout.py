@@ -157,7 +157,7 @@ def plan(
 
     batches: List[List[int]] = []  # micro-batch indices of each batch
     for m, mb in enumerate(micro_batches):
-        if getattr(mb, "row0", 0) == 0 or not batches:
+        if mb.row0 == 0 or not batches:
             batches.append([])
         batches[-1].append(m)
     for parts in batches:
@@ -168,13 +168,11 @@ def plan(
                 backward[i] = take(counts[i])
         for m in parts:
             mb = micro_batches[m]
-            rows = getattr(mb, "batch_rows", None)
             part_rows = int(mb.inputs.shape[0])
+            rows = mb.batch_rows if mb.batch_rows != part_rows else None
             for i in range(L):
                 if counts[i]:
-                    table[i][m] = BlockDraws(
-                        forward[i], backward[i], rows if rows != part_rows else None, getattr(mb, "row0", 0), part_rows
-                    )
+                    table[i][m] = BlockDraws(forward[i], backward[i], rows, mb.row0, part_rows)
     return table, n
 
 

@@ -357,7 +357,7 @@ def head_call(model: nn.Module, inputs: mx.array, h: mx.array, **kwargs) -> mx.a
     finally:
         for c, attrs in saved:
             vars(c).clear()
-            vars(c).update({k: list(v) if isinstance(v, list) else v for k, v in attrs.items()})
+            vars(c).update(attrs)
 
 
 def _cache_objects(cache) -> list:

@@ -57,13 +57,13 @@ class _Slot:
 
 
 def _unalias(module: nn.Module, array: mx.array, stand_in: mx.array) -> None:
-    """Points every other entry of `module` that is `array` (a page's array
-    leaving the model) at `stand_in`: a module may keep the weight it last
-    saw beside a value it caches from it (plamo3's RMSNorm in eval mode:
-    `_scale_weight`, compared with `is` to know when to recompute), and that
-    reference kept the page's whole frame alive after its release
-    (generation at the least page budget failed: "evicted pages are still
-    referenced outside the pager")."""
+    """Points every entry of `module` that is `array` (a page's array leaving
+    the model) at `stand_in`: its slot, and any other, since a module may
+    keep the weight it last saw beside a value it caches from it (plamo3's
+    RMSNorm in eval mode: `_scale_weight`, compared with `is` to know when
+    to recompute), and that reference kept the page's whole frame alive
+    after its release (generation at the least page budget failed:
+    "evicted pages are still referenced outside the pager")."""
     for k, v in list(module.items()):
         if v is array:
             module[k] = stand_in
@@ -456,8 +456,7 @@ class PagedWeights:
             raise RuntimeError(f"page {self.pager.page_name(pid)} is not bound")
         if n == 1:
             for s in self.slots[pid]:
-                _unalias(s.module, s.module[s.key], s.placeholder)
-                s.module[s.key] = s.placeholder
+                _unalias(s.module, s.module[s.key], s.placeholder)  # the slot too
         self._bound[pid] = n - 1
         self.pager.release(pid)
 
