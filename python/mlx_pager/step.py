@@ -90,14 +90,41 @@ def _architecture_of(layer) -> str:
     return type(layer).__module__.rsplit(".", 1)[-1]
 
 
-class _Pass:
-    """Stands in for a block: passes its input through untouched."""
+class _Out:
+    """Stands in for output `k` (k >= 1) of block `block` where blocks
+    return more than the hidden state (gemma4's ``h, shared_kv, offset``,
+    hunyuan's ``h, shared_kv_states``): recording finds where the model
+    passes it (record_calls refuses a block that takes one)."""
 
-    def __init__(self, layer):
-        self._layer = layer
+    def __init__(self, block: int, k: int):
+        self.block, self.k = block, k
+
+    def __repr__(self):
+        return f"<output {self.k} of block {self.block}>"
+
+
+# How many values the blocks of a model class return (1: the hidden state
+# alone), as record_calls last found it; the stand-ins return as many.
+_OUTPUTS: Dict[type, int] = {}
+_MAX_OUTPUTS = 4
+
+
+def _outputs(model: nn.Module) -> int:
+    return _OUTPUTS.get(type(model), 1)
+
+
+class _Pass:
+    """Stands in for a block: passes its input through untouched (with
+    placeholders for any further outputs the model's blocks return)."""
+
+    def __init__(self, layer, index: int = 0, outputs: int = 1):
+        self._layer, self._index, self._n = layer, index, outputs
+
+    def _result(self, x):
+        return x if self._n == 1 else (x, *(_Out(self._index, k) for k in range(1, self._n)))
 
     def __call__(self, *args, **kwargs):
-        return _split_call(self._layer, args, kwargs)[0]
+        return self._result(_split_call(self._layer, args, kwargs)[0])
 
     def __getattr__(self, name):  # e.g. layer.use_sliding, layer.is_linear
         return getattr(self._layer, name)
@@ -117,27 +144,27 @@ class _Record(_Pass):
     given) gets the index of each call, so that record_calls can check the blocks
     are called once each, in order."""
 
-    def __init__(self, layer, index: int, calls: list, order: Optional[list] = None):
-        super().__init__(layer)
-        self._index, self._calls, self._order = index, calls, order
+    def __init__(self, layer, index: int, calls: list, order: Optional[list] = None, outputs: int = 1):
+        super().__init__(layer, index, outputs)
+        self._calls, self._order = calls, order
 
     def __call__(self, *args, **kwargs):
         x, args, kwargs = _split_call(self._layer, args, kwargs)
         self._calls[self._index] = (x, args, kwargs)
         if self._order is not None:
             self._order.append(self._index)
-        return x
+        return self._result(x)
 
 
 class _Emit(_Pass):
     """Stands in for the last block: returns the given hidden state."""
 
-    def __init__(self, layer, h):
-        super().__init__(layer)
+    def __init__(self, layer, h, index: int = 0, outputs: int = 1):
+        super().__init__(layer, index, outputs)
         self._h = h
 
     def __call__(self, *args, **kwargs):
-        return self._h
+        return self._result(self._h)
 
 
 @contextmanager
@@ -239,19 +266,32 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     `per_block_state` (generation), one object per block such as its own KV
     cache."""
     L = len(model.layers)
-    calls, order = [None] * L, []
     arch = architecture(model)
-    try:
-        with stand_ins(model, lambda i, l: _Record(l, i, calls, order)):
-            model(inputs, **kwargs)  # the logits of this pass are never evaluated
-    except NotPageable:
-        raise
-    except Exception as e:
+    caches = _cache_objects(kwargs.get("cache"))
+    saved = [(c, _attributes(c)) for c in caches]
+    first = None
+    # Blocks return the hidden state, or a tuple of it and more (the model
+    # unpacks as many as its blocks return): the count last found first.
+    for n in dict.fromkeys([_outputs(model), *range(1, _MAX_OUTPUTS + 1)]):
+        calls, order = [None] * L, []
+        try:
+            with stand_ins(model, lambda i, l, c=calls, o=order, n=n: _Record(l, i, c, o, outputs=n)):
+                model(inputs, **kwargs)  # the logits of this pass are never evaluated
+            break
+        except NotPageable:
+            raise
+        except Exception as e:
+            first = first or e
+            for c, attrs in saved:  # a failed try's changes to the caches undone
+                vars(c).clear()
+                vars(c).update(attrs)
+    else:
         raise NotPageable(
             f"{arch}: its forward pass fails when its blocks only pass the hidden state on "
-            f"({one_line(e)}); "
+            f"({one_line(first)}); "
             "its blocks exchange more than the hidden state"
-        ) from e
+        ) from first
+    _OUTPUTS[type(model)] = n
     if not order:
         raise NotPageable(
             f"{arch}: the forward pass never calls the blocks of model.layers "
@@ -277,6 +317,12 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
         for _, v in tree_flatten((args, kwargs)):
             if v is None or isinstance(v, (mx.array, bool, int, float, str)):
                 continue
+            if isinstance(v, _Out):
+                raise NotPageable(
+                    f"{arch}: block {i} takes output {v.k} of block {v.block} besides the hidden state "
+                    "(state its blocks pass each other, such as keys and values shared across layers), "
+                    "so it cannot run on its own"
+                )
             if not per_block_state or owner.setdefault(id(v), i) != i:
                 raise NotPageable(
                     f"{arch}: block {i} is passed a {type(v).__name__} besides the hidden state "
@@ -286,8 +332,13 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
 
 
 def run_block(layer: nn.Module, h: mx.array, call) -> mx.array:
+    """The block's output hidden state: its output, or the first of the
+    outputs it returns (record_calls found that no other block takes the
+    rest)."""
     args, kwargs = call
     out = layer(h, *args, **kwargs)
+    if isinstance(out, tuple) and out and isinstance(out[0], mx.array):
+        out = out[0]
     if not isinstance(out, mx.array):
         raise NotPageable(
             f"{_architecture_of(layer)}: block {type(layer).__name__} returns "
@@ -352,7 +403,8 @@ def head_call(model: nn.Module, inputs: mx.array, h: mx.array, **kwargs) -> mx.a
     last = len(model.layers) - 1
     saved = [(c, _attributes(c)) for c in _cache_objects(kwargs.get("cache"))]
     try:
-        with stand_ins(model, lambda i, l: _Emit(l, h) if i == last else _Pass(l)):
+        n = _outputs(model)
+        with stand_ins(model, lambda i, l: _Emit(l, h, i, n) if i == last else _Pass(l, i, n)):
             return model(inputs, **kwargs)
     finally:
         for c, attrs in saved:

@@ -18,6 +18,7 @@ from mlx_pager import architectures as A
 from mlx_pager import segment
 from mlx_pager import step as S
 from mlx_pager._core import IO_ALIGN
+from mlx_pager.layers import NotPageable
 
 LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 
@@ -763,3 +764,38 @@ def test_sweep_groups_need_one_shape_one_call_and_room():
     # a micro-batch over half the positions allowed, or none allowed: alone
     assert S.sweep_groups([h(3)] * 3, [causal] * 3, 64) == [[0], [1], [2]]
     assert S.sweep_groups([h(1)] * 3, [causal] * 3, 0) == [[0], [1], [2]]
+
+
+def test_blocks_returning_more_than_the_hidden_state_are_bitwise_mlx_lm(tmp_path):
+    """gemma4's blocks return (h, shared_kv, offset): the stand-ins return
+    as many values (the model unpacks them), the paged blocks pass the
+    hidden state on, and no block takes the others (no KV shared across
+    layers, as Gemma 4 26B and 31B): the same bits as default_loss,
+    compiled, and with a no-recompute tail at every start."""
+    path = A.build("gemma4_text", "bf16", tmp_path / "models")
+    bs = batches(path, 2)
+    ref_losses, total = reference_sums(path, 3, bs)
+    model, w = paged(path, 3, "in_place", tmp_path)
+    L = len(model.layers)
+    blocks = S.Blocks(model)
+    for s in range(L - 3, L + 1):
+        losses, _, grads = S.paged_value_and_grad(
+            model, w, [S.MicroBatch.from_batch(*b) for b in bs], blocks=blocks, tail_start=s
+        )
+        assert [x.item() for x in losses] == ref_losses, s
+        assert_bitwise(total, grads)
+    assert S._outputs(model) == 3
+    assert not blocks.uncompiled
+
+
+def test_a_block_taking_another_block_s_output_is_refused_naming_both(tmp_path, monkeypatch):
+    """Gemma 4 E2B's later layers take the keys and values of earlier ones
+    (num_kv_shared_layers): one line names the block, the output and the
+    block it comes from, not a traceback."""
+    e2b = {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2}
+    monkeypatch.setitem(A.CONFIGS, "gemma4_text", {**A.CONFIGS["gemma4_text"], **e2b})
+    path = A.build("gemma4_text", "bf16", tmp_path / "models")
+    model = A.reference(path, 2)
+    with pytest.raises(NotPageable) as e:
+        S.record_calls(model, mx.array([[1, 2, 3, 4]]))
+    assert "block 2 takes output 1 of block 0 besides the hidden state" in str(e.value)
