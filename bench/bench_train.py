@@ -363,18 +363,15 @@ def step_marks_callback(lock: Lockstep = None):
     before the first step and passes it on after each, outside the steps'
     timing, as worker_mlx_lm does."""
     from mlx_pager.callbacks import PagerCallback
-    from mlx_pager.simulate import not_compute_s
+    from mlx_pager.simulate import waited
 
     class StepMarks(PagerCallback):
         def __init__(self):
             self.steps = []
-            self.pager = self.blocks = None
-
-        def on_session(self, session):
-            self.blocks = session.blocks
+            self.pager = None
 
         def off(self, stats):
-            return not_compute_s(stats, self.blocks)
+            return waited(stats)
 
         def on_step_begin(self, iteration, stats):
             if lock:
@@ -451,7 +448,6 @@ def worker_pager(cfg):
             "readahead": [s["readahead_blocks"], s["readahead_mode"]],
             "tokens": s["tokens"],
             "window": s["window"],
-            "compare_s": s["compare_s"],
         }
         for s in res.steps
     ]
@@ -574,14 +570,10 @@ def near_setting(samples) -> int:
 def steady_indices(steps) -> list:
     """Which steps a row's figures are taken from: those after the first that
     ran the readahead the last step ran with (without --readahead the
-    trainer runs its first two steps at depth 2, then its own choice), less
-    those that compared grouped forwards (compare_s: the frozen prefix's
-    first sweep runs its groups one at a time as well), where others are
-    left. (A choice of depth 2 conservative is the trainer's start too: the
-    first window, which compared and ran before the choice, was counted.)"""
+    trainer runs its first two steps at depth 2, then its own choice)."""
     last = steps[-1].get("readahead") if steps else None
     same = [i for i in range(1, len(steps)) if steps[i].get("readahead") == last]
-    return [i for i in same if not steps[i].get("compare_s")] or same or list(range(len(steps)))[-1:]
+    return same or list(range(len(steps)))[-1:]
 
 
 def steady_steps(steps):
@@ -627,10 +619,7 @@ def measured_accesses(r):
     if r.get("window", 1) > 1:
         # A window of the frozen prefix (by_window): its steps' accesses in
         # turn, one cycle of the schedule; from the windows the row's figures
-        # come from (steady_indices), as its step time does. (The first
-        # window of several also compares each frozen block's grouped
-        # forward with its batches one at a time, once a run:
-        # step.Blocks.forward_group.)
+        # come from (steady_indices), as its step time does.
         windows = [r["steps"][i]["marks"] for i in steady_indices(r["steps"]) if r["steps"][i].get("marks")]
         per_step = [[a for st in w for a in accesses(st)] for w in windows]
     else:

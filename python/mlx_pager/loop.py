@@ -420,7 +420,6 @@ def train(
             s.window_at(window.done)
 
             before = pager.stats()
-            compare_s = s.blocks.compare_s
             s.blocks.bound_whole = []
             cb.on_step_begin(it, before)
             # The readahead this step runs with (the automatic choice,
@@ -503,10 +502,6 @@ def train(
                 # step's place in it (0: the step that ran the prefix for all).
                 "window": [len(window), window.done - 1],
                 "prefix_ahead": bool(probe.get("prefix_ahead", False)),
-                # seconds the frozen prefix's first grouped sweep ran its
-                # groups one at a time as well, to compare (Blocks.compare_s):
-                # a step unlike the ones after it
-                "compare_s": s.blocks.compare_s - compare_s,
                 # forward blocks in parts this step bound whole (Blocks.bound_whole)
                 "forward_whole": list(s.blocks.bound_whole),
             }

@@ -47,15 +47,13 @@ The predicted peak covers what the budget's pool holds during the step:
   ahead        the prefix's outputs for the steps to come (ahead - 1 steps'
                batches); or, when more, the prefix sweep's own peak (every
                batch's hidden state and the next block's output, and one
-               forward block on a group of micro-batches, sweep_block)
+               forward block's working set, a micro-batch at a time)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
-
-from .prefix import sweep_group
 
 # Relative cost of a step's parts, in forward passes of one block: a frozen
 # block's backward (input gradients through the frozen weights, the
@@ -238,22 +236,11 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     waiting = (ahead - 1) * batch_ckpt
     if ahead > 1:
         # The prefix's outputs for the steps to come wait beside this
-        # step; the sweep itself holds every batch's input and output.
-        # Its block works on a group of micro-batches at once (prefix.py).
-        group = sweep_group(rows, length, ahead * step.micro_batches(parts))
-        sweep = 2 * ahead * batch_ckpt + sweep_block(sizes, rows, length, group)
+        # step; the sweep itself holds every batch's input and output, and
+        # one forward block's working set (a micro-batch at a time).
+        sweep = 2 * ahead * batch_ckpt + sizes.forward(rows, length)
         activations = max(activations + waiting, sweep)
     return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting)
-
-
-def sweep_block(sizes: Sizes, rows: int, length: int, group: int) -> int:
-    """One forward-only block of a sweep working on `group` micro-batches of
-    `rows` x `length` at once (step.Blocks.forward_group): the block's
-    working set on all their rows (its output included), and, for a group,
-    their inputs concatenated into one (the micro-batches' own hidden states
-    are the caller's to count)."""
-    concatenated = group * sizes.checkpoint(rows, length) if group > 1 else 0
-    return sizes.forward(group * rows, length) + concatenated
 
 
 # Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module
@@ -295,9 +282,7 @@ def choose(
 
     Of equal cost, one that leaves the pages room for every block (reads
     nothing) comes first; then the one that runs the prefix furthest ahead
-    (fewest reads), or where nothing is read, the one that runs it furthest
-    ahead where that lets the sweep take several batches through a block at
-    once (less compute, prefix.sweep_group), else not ahead (nothing to
+    (fewest reads), or where nothing is read, not ahead (nothing to
     save)."""
     fits = [p for p in candidates(step, sizes) if p.need <= pool and (page_cap is None or p.pages <= page_cap)]
     for bound in (at_most, ceiling):
@@ -322,11 +307,7 @@ def choose(
         room = pool - p.activations
         return min(room, page_cap) < weights if page_cap is not None else room < weights
 
-    def groups(p: Placement) -> bool:
-        rows = -(-step.rows // p.parts)
-        return sweep_group(rows, step.length, p.ahead * step.micro_batches(p.parts)) > 1
-
-    return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) or groups(p) else p.ahead, p.need))
+    return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
 
 
 def smallest(step: Step, sizes: Sizes) -> Placement:

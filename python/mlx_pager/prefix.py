@@ -12,17 +12,10 @@ per step. The outputs (one hidden state per batch) wait in memory for their
 step; the placement planner counts them (placement.py, `ahead`).
 
 The math is unchanged: each batch's outputs are the ones its own step
-would compute, bit for bit. What changes is only when, and how many
-batches a block computes at once: batches of a few positions leave a
-matrix product of a few rows, far slower per row than a larger one, so
-the sweep runs batches of the same shape through a block together, up
-to GROUP_TOKENS positions (sweep_group). Whether a backend's kernels give
-each row the same bits in a larger product is not something MLX promises
-(a kernel can be chosen by the number of rows), so the sweep checks it:
-the first time a block meets a group of a given shape, it computes the
-batches one at a time as well, and groups that block and shape from then
-on only where every output came out bit for bit the same
-(step.Blocks.forward_group).
+would compute, bit for bit. What changes is only when. Each batch goes
+through a block on its own: several as one batch (a larger matrix
+product, faster per row on a CPU) do not get the same bits per row, and
+not even the same way from one call to the next (step._forward_sweep).
 
 A window is the steps one sweep serves. The training loop (loop.py) draws
 their batches in mlx-lm's order; a window never reaches past a validation
@@ -31,10 +24,8 @@ nor past the run's last iteration.
 
 Not run ahead (ahead = 1): with no prefix (every block trained), with an
 active dropout in the prefix (its masks would come from other draws), and
-where the pages hold every block and the window's batches are too long to
-group (nothing is read or computed to save: placement.choose). Where the
-pages hold every block and the batches are short, the prefix still runs
-ahead, for the grouped sweep's compute alone.
+where the pages hold every block (nothing is read to save:
+placement.choose).
 """
 
 from __future__ import annotations
@@ -46,22 +37,6 @@ import mlx.nn as nn
 
 # The most steps one sweep serves.
 AHEAD_MOST = 8
-
-# The most positions (rows x padded length) the prefix sweep runs through a
-# block at once. Measured on this project's machine (2 cores, OpenBLAS,
-# float32, a 2048-wide block): 8 batches of 16 positions together take 0.43x
-# their time one at a time, 16 of them 0.40x, 8 of 64 positions 0.74x, and
-# batches of 256 positions or more gain nothing; 4-bit weights gain nothing
-# on a CPU. Its memory is the planner's (placement.evaluate: the sweep's
-# block works on a whole group).
-GROUP_TOKENS = 512
-
-
-def sweep_group(rows: int, length: int, count: int, most: int = GROUP_TOKENS) -> int:
-    """How many of `count` micro-batches of `rows` x `length` positions the
-    prefix sweep runs through a block at once: as many as fit in `most`
-    positions, at least 1."""
-    return max(1, min(count, most // max(1, rows * length)))
 
 
 def choose_ahead(prefix_bytes: int, batch_bytes: int, most: int = AHEAD_MOST) -> int:

@@ -401,19 +401,14 @@ class Session:
         """Micro-batches a forward-only sweep (evaluation) carries together
         in the activations reserved: each keeps its hidden state and the
         next block's output, besides the larger of one forward block's
-        working set, which works on as many of them at once as
-        prefix.sweep_group puts together (placement.sweep_block), and the
+        working set (a micro-batch at a time, step._forward_sweep) and the
         head's loss for one. At most 8 batches' worth (or a step's); at
         least 1."""
         rows, length = -(-self.args.batch_size // self.parts), self.seq_len
         per = 2 * self.sizes.checkpoint(rows, length)
-        head = self.sizes.head(rows, length)
+        work = max(self.sizes.head(rows, length), self.sizes.forward(rows, length))
         most = max(8, self.args.grad_accumulation_steps) * self.parts
-        for n in range(most, 1, -1):
-            together = prefix.sweep_group(rows, length, n)
-            if n * per + max(head, placement.sweep_block(self.sizes, rows, length, together)) <= self.plan.activations:
-                return n
-        return 1
+        return max([1] + [n for n in range(2, most + 1) if n * per + work <= self.plan.activations])
 
     def use_forward_schedule(self):
         """The pager's access order: forward sweeps only (evaluation)."""

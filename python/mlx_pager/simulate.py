@@ -1079,23 +1079,12 @@ def waited(stats) -> float:
     return stats["io_wait_s"] + stats["reclaim_wait_s"]
 
 
-def not_compute_s(stats, blocks=None) -> float:
-    """What a measured training step less its compute is, cumulative: the
-    pager's waits (waited), and with `blocks` (step.Blocks) the time its
-    first grouped sweeps ran their groups one at a time only to compare
-    (Blocks.compare_s). A window whose prefix sweep compared is otherwise
-    measured with its prefix's compute about twice the windows' after it:
-    chosen from that window, readahead went aggressive at read 25% where
-    conservative ran as fast on 5% fewer bytes."""
-    return waited(stats) + (blocks.compare_s if blocks is not None else 0.0)
-
-
 @dataclass
 class BlockMark:
     """One on_block call of a training step: the pages of `block` (or of the
     tail, phase "tail") were released at perf_counter `t`, when the time
-    that was not compute (not_compute_s: the pager's cumulative io_wait_s +
-    reclaim_wait_s, and the grouped sweeps' comparisons) was `wait_s`."""
+    that was not compute (waited: the pager's cumulative io_wait_s +
+    reclaim_wait_s) was `wait_s`."""
 
     phase: str  # "forward", "tail" or "backward"
     block: int
@@ -1317,23 +1306,18 @@ class AutoReadahead:
     def on_session(self, session):
         self.session = session
 
-    def _blocks(self):
-        return getattr(self.session, "blocks", None)
-
     def on_step_begin(self, iteration, stats):
         import time
 
         self.steps += 1
-        self._start = (time.perf_counter(), not_compute_s(stats, self._blocks()))
+        self._start = (time.perf_counter(), waited(stats))
         self._marks = []
 
     def on_block(self, weights, phase, block):
         import time
 
         if self._start is not None and phase in ("forward", "tail", "backward"):
-            self._marks.append(
-                BlockMark(phase, block, time.perf_counter(), not_compute_s(weights.pager.stats(), self._blocks()))
-            )
+            self._marks.append(BlockMark(phase, block, time.perf_counter(), waited(weights.pager.stats())))
 
     def on_step(self, record):
         import time
@@ -1348,7 +1332,7 @@ class AutoReadahead:
             # does not model): leave the pager as it is.
             return
         pager = s.weights.pager
-        end = (time.perf_counter(), not_compute_s(pager.stats(), self._blocks()))
+        end = (time.perf_counter(), waited(pager.stats()))
         acc = accesses_from_marks(
             self._marks,
             start,

@@ -32,8 +32,6 @@ read once per sweep per optimizer step, not once per micro-batch.
 from __future__ import annotations
 
 import inspect
-import itertools
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -44,7 +42,6 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import dropout
 from .layers import BlockList, NotPageable, architecture
-from .prefix import GROUP_TOKENS
 from .stream import Stream, forward_pages
 
 
@@ -495,12 +492,6 @@ class Blocks:
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
-        self.grouped: Dict[tuple, bool] = {}  # (block, shapes) -> same bits as one at a time (forward_group)
-        # Seconds forward_group has spent running groups one at a time only
-        # to compare (the first sweep of a block and shapes): not the step's
-        # compute, which a measured step less these and the pager's waits is
-        # (simulate.not_compute_s).
-        self.compare_s = 0.0
         # Forward blocks in parts that ran bound whole (their pages all
         # acquired before the block's graphs and held to their end: several
         # micro-batches or groups), in the order run, since the caller last
@@ -556,81 +547,6 @@ class Blocks:
         finally:
             layer.update(params)  # tracing left tracers in the module
         return run_block(layer, h, call) if out is None else out
-
-    def forward_group(self, i: int, hs: Sequence[mx.array], call) -> List[mx.array]:
-        """Each of `hs` (micro-batches of one call, sweep_groups) through
-        block i, forward only, evaluated, with the bits forward() gives
-        each on its own. Several go through as one batch (concatenated
-        along the rows: a larger matrix product, faster per row) where
-        this block and these shapes were seen to give the same bits that
-        way: the first time, each is computed alone as well and the two
-        compared (`grouped` keeps the answer per block and shapes; a
-        match found while one of the block's adapters is all zeros, as
-        LoRA's B starts, says nothing of the trained block and is not
-        kept); a group that differs, or that the block cannot take, runs
-        one at a time from then on."""
-
-        def each() -> List[mx.array]:
-            out = []
-            for h in hs:
-                out.append(self.forward(i, h, call))
-                mx.eval(out[-1])
-            return out
-
-        key = self._group_key(i, hs)
-        if len(hs) == 1 or self.grouped.get(key) is False:
-            return each()
-        alone = None
-        if key not in self.grouped:
-            t0 = time.perf_counter()
-            alone = each()
-            self.compare_s += time.perf_counter() - t0
-        uncompiled = dict(self.uncompiled)
-        try:
-            together = self.group_graph(i, hs, call)
-            mx.eval(together)
-        except Exception:
-            # Not this block's failure to compile: one at a time it compiles.
-            self.uncompiled = uncompiled
-            self.grouped[key] = False
-            return alone if alone is not None else each()
-        if alone is None:
-            return together
-        same = all(
-            t.shape == a.shape and t.dtype == a.dtype and mx.array_equal(t, a).item() for t, a in zip(together, alone)
-        )
-        if not same or not self._zero_adapter(i):
-            self.grouped[key] = same
-        # else: seen the same with an adapter still all zeros (LoRA's B, as
-        # initialised: the first validation's), which every order of
-        # summation computes alike; trained, a bf16 LoRA layer's group
-        # differed at 5 of 20 lengths (a validation 2e-5 off mlx-lm's).
-        # Compared again next time.
-        return alone
-
-    def _zero_adapter(self, i: int) -> bool:
-        """Whether one of block i's trainable parameters is all zeros."""
-        params = [v for _, v in tree_flatten(self.model.layers[i].trainable_parameters())]
-        return any(not mx.any(v).item() for v in params)
-
-    def _group_key(self, i: int, hs: Sequence[mx.array]) -> tuple:
-        return (i, tuple(tuple(h.shape) for h in hs))
-
-    def goes_as_one(self, i: int, hs: Sequence[mx.array]) -> bool:
-        """Whether forward_group takes `hs` through block i as one graph
-        with nothing to compare first: one micro-batch, or a group this
-        block and these shapes were seen to give the same bits together."""
-        return len(hs) == 1 or self.grouped.get(self._group_key(i, hs)) is True
-
-    def group_graph(self, i: int, hs: Sequence[mx.array], call) -> List[mx.array]:
-        """forward_group's outputs where goes_as_one: built as one graph, not
-        evaluated (the caller evaluates them once the block's lazy page
-        reads are dropped from the model, stream.forward_pages)."""
-        if len(hs) == 1:
-            return [self.forward(i, hs[0], call)]
-        whole = self.forward(i, mx.concatenate(list(hs), axis=0), call)
-        ends = list(itertools.accumulate(int(h.shape[0]) for h in hs))
-        return [whole[a:b] for a, b in zip([0] + ends[:-1], ends)]
 
     def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
         layer = self.model.layers[i]
@@ -1004,109 +920,56 @@ def prefix_forward(
 ) -> List[mx.array]:
     """Each micro-batch's input to the first trained block: the frozen
     blocks below it run forward, layer-major (each block read once for all
-    the micro-batches), through the same compiled block functions a step
-    runs; those of one shape together, up to GROUP_TOKENS positions, where
-    that was seen to give each the bits it gets alone (Blocks.forward_group),
-    so the outputs are a step's own, bit for bit. The micro-batches may
-    belong to several steps to come (prefix.py): these blocks have no
-    adapters, so their outputs do not depend on the updates in between. `on_block("forward", i)` after each block."""
-    return _forward_sweep(
-        model, weights, micro_batches, first_trained_block(model), on_block, "forward", blocks, GROUP_TOKENS
-    )
+    the micro-batches), each micro-batch on its own through the same
+    compiled block functions a step runs, so the outputs are a step's own,
+    bit for bit. The micro-batches may belong to several steps to come
+    (prefix.py): these blocks have no adapters, so their outputs do not
+    depend on the updates in between. `on_block("forward", i)` after each
+    block."""
+    return _forward_sweep(model, weights, micro_batches, first_trained_block(model), on_block, "forward", blocks)
 
 
-def sweep_groups(hs: Sequence[mx.array], calls: Sequence, most_tokens: int) -> List[List[int]]:
-    """The indices of `hs` in groups that can go through a block as one
-    batch (concatenated along the rows): the same trailing shape and dtype,
-    calls with the same arguments (arrays equal in value), at most
-    `most_tokens` positions a group; in order of their first member.
-    most_tokens <= 0: each alone."""
-    groups: List[List[int]] = []
-    open_: Dict[tuple, List[list]] = {}  # key -> [group, its positions, its call] per open group
-    for j, (h, call) in enumerate(zip(hs, calls)):
-        tokens = int(h.shape[0] * h.shape[1]) if h.ndim >= 2 else most_tokens + 1
-        key = _group_key(h, call) if 0 < 2 * tokens <= most_tokens else None
-        if key is not None:
-            fit = next(
-                (g for g in open_.get(key, ()) if g[1] + tokens <= most_tokens and _same_arrays(g[2], call)), None
-            )
-            if fit is not None:
-                fit[0].append(j)
-                fit[1] += tokens
-                continue
-        groups.append([j])
-        if key is not None:
-            open_.setdefault(key, []).append([groups[-1], tokens, call])
-    return groups
-
-
-def _group_key(h: mx.array, call) -> tuple:
-    """What micro-batches must share to go through a block together, less
-    the values of the call's arrays (_same_arrays): the hidden state's
-    shape after the rows and its dtype, and the call's arguments (an array
-    by its shape and dtype)."""
-    leaves = []
-    for path, v in tree_flatten(call):
-        if isinstance(v, mx.array):
-            leaves.append((path, tuple(v.shape), str(v.dtype)))
-        else:
-            try:
-                hash(v)
-                leaves.append((path, v))
-            except TypeError:
-                leaves.append((path, repr(v)))
-    return (tuple(h.shape[1:]), str(h.dtype), tuple(leaves))
-
-
-def _same_arrays(a, b) -> bool:
-    """Whether two calls of one _group_key hold equal arrays."""
-    return all(
-        mx.array_equal(x, y).item()
-        for (_, x), (_, y) in zip(tree_flatten(a), tree_flatten(b))
-        if isinstance(x, mx.array) and x is not y
-    )
-
-
-def _forward_sweep(
-    model, weights, micro_batches, upto: int, on_block, phase: str, blocks: Optional[Blocks], group_tokens: int = 0
-):
+def _forward_sweep(model, weights, micro_batches, upto: int, on_block, phase: str, blocks: Optional[Blocks]):
     """The micro-batches' hidden states after blocks 0..upto-1, forward
-    only, layer-major; `on_block(phase, i)` after each block.
-    `group_tokens` > 0: micro-batches of one shape and call go through a
-    block together, up to that many positions (Blocks.forward_group); 0:
-    one at a time.
+    only, layer-major (each block read once for all of them), each
+    micro-batch through a block on its own; `on_block(phase, i)` after each
+    block.
 
-    A block of several pages whose sweep is one graph (one group that
-    goes as one, Blocks.goes_as_one) has its pages as lazy reads in that
-    graph (stream.forward_pages), as the step's own forward sweep does: a
-    page's frame goes once the graph is done with it, so the pager reads
-    the next block's first pages while MLX computes with this one's last
-    (with room for one block, binding it whole left the disk idle for the
-    whole of its compute). Otherwise the block is bound whole."""
+    Never several as one batch (concatenated along the rows: a larger
+    matrix product, faster per row on a CPU): MLX does not promise a row
+    the same bits in a product of more rows, and on the CPU backend it
+    does not give them. Two micro-batches of 32 positions together gave
+    other bits than alone in 1 to 76 of 8192 outputs in about one block
+    in seven, on the same block and shapes that gave the same bits on
+    other data; a comparison made once per block and shape (as this sweep
+    did) let a test loss come out 9e-6 off mlx-lm's.
+
+    A block of several pages and one micro-batch has its pages as lazy
+    reads in the block's graph (stream.forward_pages), as the step's own
+    forward sweep does: a page's frame goes once the graph is done with
+    it, so the pager reads the next block's first pages while MLX computes
+    with this one's last (with room for one block, binding it whole left
+    the disk idle for the whole of its compute). Otherwise the block is
+    bound whole."""
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
     hs = [mb.h0 for mb in micro_batches]
     for i in range(upto):
-        calls = [mb.calls[i] for mb in micro_batches]
-        groups = sweep_groups(hs, calls, group_tokens)
-        # One group holds every micro-batch, in order (sweep_groups).
-        if len(weights.block_pages[i]) > 1 and len(groups) == 1 and blocks.goes_as_one(i, hs):
+        if len(weights.block_pages[i]) > 1 and len(hs) == 1:
             with forward_pages(weights, i, hs[0]) as drop:
-                out = blocks.group_graph(i, hs, calls[0])
+                out = [blocks.forward(i, hs[0], micro_batches[0].calls[i])]
                 drop()
                 mx.eval(out)
-            hs = out
         else:
             if len(weights.block_pages[i]) > 1:
                 blocks.bound_whole.append(i)
             with weights.bound(i):
-                out = [None] * len(hs)
-                for group in groups:
-                    got = blocks.forward_group(i, [hs[j] for j in group], calls[group[0]])
-                    for j, h in zip(group, got):
-                        out[j] = h
-                hs = out
+                out = []
+                for h, mb in zip(hs, micro_batches):
+                    out.append(blocks.forward(i, h, mb.calls[i]))
+                    mx.eval(out[-1])
+        hs = out
         if on_block is not None:
             on_block(phase, i)
     return hs
@@ -1121,9 +984,7 @@ def paged_loss(
     blocks: Optional[Blocks] = None,
 ):
     """Forward only (evaluation): losses and token counts per micro-batch,
-    mlx-lm's bit for bit. The blocks sweep layer-major; micro-batches of one
-    shape go through a block together, up to GROUP_TOKENS positions, where
-    that gives each its own bits (Blocks.forward_group), as the frozen
-    prefix's sweep does."""
-    hs = _forward_sweep(model, weights, micro_batches, len(model.layers), on_block, "eval", blocks, GROUP_TOKENS)
+    mlx-lm's bit for bit. The blocks sweep layer-major, each micro-batch
+    on its own, as the frozen prefix's sweep (_forward_sweep)."""
+    hs = _forward_sweep(model, weights, micro_batches, len(model.layers), on_block, "eval", blocks)
     return [(head_loss(model, mb, h, head_chunk_bytes), mb.ntoks) for h, mb in zip(hs, micro_batches)]

@@ -186,18 +186,12 @@ def test_a_rows_read_rate_for_its_figures_leaves_out_its_first_step():
     assert bench_train.busy_read_rate(r) < 0.3e9
 
 
-def test_a_rows_figures_leave_out_a_window_that_compared_grouped_forwards():
-    # The read shape's 25% row chose depth 2 conservative, the trainer's
-    # start: its first window (before the choice, and comparing grouped
-    # forwards one at a time too) ran the same settings as the second.
+def test_a_rows_figures_come_from_the_steps_after_the_first_that_ran_the_last_readahead():
     ra = [2, "conservative"]
-    windows = [dict(readahead=ra, compare_s=0.0), dict(readahead=ra, compare_s=1.4), dict(readahead=ra, compare_s=0.0)]
-    assert bench_train.steady_indices(windows) == [2]
-    # where every window compared, they are what there is
-    assert bench_train.steady_indices([dict(readahead=ra, compare_s=1.0)] * 3) == [1, 2]
-    # and the readahead still decides first
-    other = [dict(readahead=ra), dict(readahead=[1, "aggressive"], compare_s=1.0), dict(readahead=ra)]
+    assert bench_train.steady_indices([dict(readahead=ra)] * 3) == [1, 2]
+    other = [dict(readahead=ra), dict(readahead=[1, "aggressive"]), dict(readahead=ra)]
     assert bench_train.steady_indices(other) == [2]
+    assert bench_train.steady_indices([dict(readahead=ra)]) == [0]  # one step: that one
 
 
 def test_a_row_that_reads_nothing_after_its_first_step_is_held_to_the_shapes_rate():

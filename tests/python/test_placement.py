@@ -96,13 +96,6 @@ def test_a_measured_forward_block_sizes_the_sweep_and_not_a_recomputed_block():
     assert P.evaluate(st, sz, 6, 1).activations >= sz.block(4, 128)
 
 
-def test_a_sweep_block_on_a_group_counts_its_rows_and_the_concatenated_input():
-    sz = sizes()
-    sz.learn({"forward": (2 * MB, 4, 128)})
-    assert P.sweep_block(sz, 4, 128, 1) == sz.forward(4, 128)  # alone: its input is the caller's
-    assert P.sweep_block(sz, 4, 128, 3) == sz.forward(12, 128) + 3 * sz.checkpoint(4, 128)
-
-
 def test_the_ladder_only_goes_down():
     st, sz = shape(), sizes()
     top = P.choose(st, sz, pool=10**12)

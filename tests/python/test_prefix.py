@@ -66,10 +66,9 @@ def test_placement_counts_the_waiting_outputs_and_prefers_reading_less():
     assert P.choose(st, sz, pool=10**12).ahead == 1
     # the ladder never goes back above where it has been
     assert P.choose(st, sz, pool=40 * MB, ceiling=one).ahead == 1
-    # everything fits but the batches are short: ahead all the same, for the
-    # grouped sweep's compute (8 micro-batches of 16 positions at once)
+    # everything fits and the batches are short: nothing to save either
     short = P.Step(num_blocks=8, first_trained=4, footprints=[10 * MB] * 8, rows=1, length=16, batches=1, ahead=8)
-    assert P.choose(short, sz, pool=10**12).ahead == 8
+    assert P.choose(short, sz, pool=10**12).ahead == 1
 
 
 def test_window_outputs_belong_to_one_split():
@@ -167,12 +166,10 @@ def test_resume_mid_run_is_the_uninterrupted_run(models, small_data, tmp_path):
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
-def test_the_sweep_works_on_a_group_and_the_plan_counts_it():
-    assert prefix.sweep_group(1, 16, 8) == 8
-    assert prefix.sweep_group(1, 16, 64) == prefix.GROUP_TOKENS // 16
-    assert prefix.sweep_group(4, 1024, 8) == 1  # long batches: one at a time
+def test_the_plan_counts_the_sweep_s_batches_and_one_forward_block():
+    """The sweep holds every batch's input and output, and one forward
+    block's working set (each batch through a block on its own)."""
     sz = P.Sizes(hidden=64, itemsize=4, vocab=1000, block_per_token=4096, block_len=16, head_chunk_bytes=MB)
     st = P.Step(num_blocks=8, first_trained=4, footprints=[10 * MB] * 8, rows=1, length=16, batches=1, ahead=8)
     p = P.evaluate(st, sz, 8, 1, ahead=8)
-    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + sz.forward(8, 16) + 8 * sz.checkpoint(1, 16)
-    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + P.sweep_block(sz, 1, 16, 8)
+    assert p.activations >= 2 * 8 * sz.checkpoint(1, 16) + sz.forward(1, 16)

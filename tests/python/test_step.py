@@ -164,10 +164,10 @@ def test_paged_eval_loss_equals_mlx_lm(models, tmp_path):
         assert loss.item() == l.item() and toks.item() == n.item()
 
 
-def test_paged_eval_groups_micro_batches_and_keeps_mlx_lm_losses(models, tmp_path):
-    """Evaluation's sweep puts micro-batches of one shape through a block
-    together (Blocks.forward_group), after one comparison per block and
-    shape: each micro-batch's loss is still mlx-lm's on its rows, bit for bit."""
+def test_paged_eval_sweeps_micro_batches_of_one_shape_with_mlx_lm_losses(models, tmp_path):
+    """Evaluation's sweep carries several micro-batches of one shape through
+    each block, each on its own: each loss is mlx-lm's on its rows, bit for
+    bit, sweep after sweep."""
     path = models("llama", None, num_hidden_layers=3)
     (batch,) = batches(path, 1, batch_size=4)
     ref = reference(path, 2)
@@ -175,16 +175,10 @@ def test_paged_eval_groups_micro_batches_and_keeps_mlx_lm_losses(models, tmp_pat
     rows = S.split_batch(*batch, 4, shared_norm=False)  # 4 micro-batches of one row, one shape
     expected = [default_loss(ref, *(x[r : r + 1] for x in batch)) for r in range(4)]
     blocks = S.Blocks(model)
-    for run in range(2):  # the first run compares; the second runs grouped
+    for _ in range(2):
         got = S.paged_loss(model, w, rows, head_chunk_bytes=30_000, blocks=blocks)
         for (loss, toks), (l, n) in zip(got, expected):
             assert loss.item() == l.item() and toks.item() == n.item()
-        if run == 0:
-            # the frozen block, once: the trained ones' LoRA B is still all
-            # zeros, which says nothing of them trained (compared again)
-            assert list(blocks.grouped) == [(0, ((1, int(rows[0].inputs.shape[1]), 128),) * 4)]
-            if mx.default_device() == mx.cpu:
-                assert all(blocks.grouped.values())
 
 
 def _train_like(*models):
@@ -200,13 +194,12 @@ def _train_like(*models):
 
 
 @pytest.mark.parametrize("dora", [False, True])
-def test_a_group_seen_alike_on_untrained_adapters_is_compared_again_once_trained(models, tmp_path, dora):
-    """Validation before the first update sees LoRA's B all zeros: a group
-    matches its micro-batches one at a time whatever order the sums take,
-    so the match says nothing of the trained block. Trusted, a later
-    validation's loss came out 2e-5 off mlx-lm's (DoRA, found by a random
-    sweep against mlx_lm.lora). Each shape's losses, before and after
-    'training', are mlx-lm's bit for bit."""
+def test_paged_eval_losses_are_mlx_lm_s_untrained_and_trained_at_many_lengths(models, tmp_path, dora):
+    """Before the first update LoRA's B is all zeros, after it not: at
+    lengths where a product of more rows sums in another order, every
+    micro-batch's loss, untrained and 'trained', is mlx-lm's bit for bit
+    (a grouped sweep trusted a comparison made on zeros, and a later
+    validation came out 2e-5 off mlx-lm's, DoRA)."""
     path = models("llama", None, num_hidden_layers=3)
     ref = reference(path, 2, dora=dora)
     model, w = paged(path, 2, "in_place", tmp_path, dora=dora)
@@ -214,8 +207,7 @@ def test_a_group_seen_alike_on_untrained_adapters_is_compared_again_once_trained
     groups = []
     for T in (9, 14, 23, 31, 40, 47):  # row counts whose products may sum in other orders
         cut = (batch[0][:, :T], mx.minimum(batch[1], T))
-        rows = S.split_batch(*cut, 4, shared_norm=False)
-        groups.append((rows, cut))
+        groups.append((S.split_batch(*cut, 4, shared_norm=False), cut))
     blocks = S.Blocks(model)
 
     def check():
@@ -225,12 +217,9 @@ def test_a_group_seen_alike_on_untrained_adapters_is_compared_again_once_trained
                 l, n = default_loss(ref, *(x[r : r + 1] for x in cut))
                 assert loss.item() == l.item() and toks.item() == n.item()
 
-    check()  # untrained: the trained blocks' groups are not remembered
-    assert {i for i, _ in blocks.grouped} == {0}
+    check()
     _train_like(ref, model)
     check()
-    check()  # remembered now
-    assert {i for i, _ in blocks.grouped} == {0, 1, 2}
 
 
 def test_blocks_stop_compiling_once_with_the_same_bits(models, tmp_path):
@@ -646,51 +635,44 @@ def test_blocks_in_several_pages_are_bitwise_mlx_lm(models, tmp_path, arch, bits
     assert reads == expected
 
 
-def _sweep(model, w, mbs, group_tokens, blocks):
-    return S._forward_sweep(model, w, mbs, S.first_trained_block(model), None, "forward", blocks, group_tokens)
+def _sweep(model, w, mbs, blocks):
+    return S._forward_sweep(model, w, mbs, S.first_trained_block(model), None, "forward", blocks)
 
 
 @pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
-def test_the_prefix_sweep_groups_micro_batches_with_the_same_bits(models, tmp_path, arch, bits):
-    """Micro-batches of one shape go through a frozen block together
-    (Blocks.forward_group): the first time also one at a time, to compare;
-    then together wherever that gave the same bits. Either way each output
-    is the one the block gives it alone."""
+def test_the_prefix_sweep_gives_each_micro_batch_its_own_bits(models, tmp_path, arch, bits):
+    """The frozen blocks' sweep carries several micro-batches, each through
+    a block on its own: each output is the one its own step's forward
+    computes, sweep after sweep."""
     path = models(arch, bits, num_hidden_layers=4)
     (batch,) = batches(path, 1, batch_size=4)
     model, w = paged(path, 2, "in_place", tmp_path)
     mbs = S.split_batch(*batch, 4)  # 4 micro-batches of one row, one shape
-    alone = _sweep(model, w, mbs, 0, S.Blocks(model))
     blocks = S.Blocks(model)
-    assert blocks.compare_s == 0
-    first = _sweep(model, w, mbs, 1 << 20, blocks)
-    seen, compared = dict(blocks.grouped), blocks.compare_s
-    again = _sweep(model, w, mbs, 1 << 20, blocks)
-    assert sorted(i for i, _ in seen) == [0, 1]  # each frozen block compared once
-    assert blocks.grouped == seen  # and not again
-    # the time of the one-at-a-time runs (not the step's compute: simulate.not_compute_s)
-    assert compared > 0 and blocks.compare_s == compared
-    if mx.default_device() == mx.cpu:
-        assert all(seen.values())  # MLX's CPU kernels give each row the same bits
-    for a, b, c in zip(alone, first, again):
-        assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
-    # at most 2 micro-batches' positions a group: the pairs are compared on their own
-    pairs = S.Blocks(model)
-    tokens = int(mbs[0].inputs.shape[1])
-    got = _sweep(model, w, mbs, 2 * tokens, pairs)
-    assert {len(shapes) for _, shapes in pairs.grouped} == {2}
-    assert all(mx.array_equal(a, b).item() for a, b in zip(alone, got))
+    for mb in mbs:
+        mb.record(model)
+    own = []
+    for mb in mbs:
+        h = mb.h0
+        for i in range(S.first_trained_block(model)):
+            with w.bound(i):
+                h = blocks.forward(i, h, mb.calls[i])
+                mx.eval(h)
+        own.append(h)
+    for _ in range(2):
+        got = _sweep(model, w, mbs, blocks)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(own, got))
 
 
 @pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
 def test_the_prefix_sweep_reads_a_block_in_parts_as_its_graph_uses_them(models, tmp_path, arch, bits, monkeypatch):
-    """A frozen block in several pages, its micro-batches one graph: the
-    sweep does not bind the block whole but makes its pages lazy reads in
-    that graph (stream.forward_pages), so each page's frame can go once the
+    """A frozen block in several pages, one micro-batch: the sweep does not
+    bind the block whole but makes its pages lazy reads in the block's
+    graph (stream.forward_pages), so each page's frame can go once the
     graph is done with it and the pager reads the next block's first pages
     meanwhile (with room for one block, binding it whole left the disk idle
-    for the block's compute). The first sweep still binds, to compare the
-    group with one at a time; every sweep's outputs are the same bits."""
+    for the block's compute). Several micro-batches bind it whole; the
+    outputs are the same bits either way."""
     path = models(arch, bits, num_hidden_layers=4)
     (batch,) = batches(path, 1, batch_size=4)
     model, w = paged(path, 1, "in_place", tmp_path, page_parts=4)
@@ -708,62 +690,13 @@ def test_the_prefix_sweep_reads_a_block_in_parts_as_its_graph_uses_them(models, 
     monkeypatch.setattr(w, "bound", spy)
     mbs = S.split_batch(*batch, 4)
     blocks = S.Blocks(model)
-    first = _sweep(model, w, mbs, 1 << 20, blocks)  # compares: binds each block
-    assert bound == list(range(prefix))
-    bound.clear()
     w.pager.reset_peak()
-    again = _sweep(model, w, mbs, 1 << 20, blocks)  # one graph per block: lazy reads
+    single = _sweep(model, w, mbs[:1], blocks)  # one graph per block: lazy reads
     assert bound == []
     assert w.pager.stats()["peak_resident_bytes"] <= w.pager.budget
-    single = _sweep(model, w, mbs[:1], 1 << 20, blocks)
-    assert bound == []
-    alone = _sweep(model, w, mbs, 0, S.Blocks(model))  # one at a time: bound whole
+    several = _sweep(model, w, mbs, blocks)  # bound whole
     assert bound == list(range(prefix))
-    for a, b, c in zip(alone, first, again):
-        assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
-    assert mx.array_equal(single[0], alone[0]).item()
-
-
-class _RowMixing(nn.Module):
-    """A block whose rows see each other (a batch statistic): a larger batch
-    changes every row's output."""
-
-    def __call__(self, h, bias=None):
-        h = h - h.mean(axis=0, keepdims=True) + h * 0.5
-        return h if bias is None else h + bias
-
-
-def test_a_block_that_does_not_give_the_same_bits_together_runs_alone():
-    model = types.SimpleNamespace(layers=[_RowMixing()])
-    blocks = S.Blocks(model)
-    hs = [mx.random.normal((2, 4, 8), key=mx.random.key(k)) for k in range(3)]
-    alone = [model.layers[0](h) for h in hs]
-    for _ in range(2):
-        got = blocks.forward_group(0, hs, ((), {}))
-        assert all(mx.array_equal(a, b).item() for a, b in zip(alone, got))
-    assert list(blocks.grouped.values()) == [False]
-    # an argument that fits one micro-batch's rows, not the group's: runs alone,
-    # and the block stays compiled
-    bias = mx.ones((2, 4, 8))
-    got = blocks.forward_group(0, hs, ((bias,), {}))
-    assert all(mx.array_equal(a + bias, b).item() for a, b in zip(alone, got))
-    assert not blocks.uncompiled
-
-
-def test_sweep_groups_need_one_shape_one_call_and_room():
-    h = lambda rows, t=16: mx.zeros((rows, t, 8))  # noqa: E731
-    causal = (("causal",), {"cache": None})
-    mask = lambda v: ((mx.full((16, 16), v),), {})  # noqa: E731
-    # one shape and call: together, up to the positions allowed
-    assert S.sweep_groups([h(1)] * 5, [causal] * 5, 64) == [[0, 1, 2, 3], [4]]
-    # another length, another call, another mask value: apart
-    hs = [h(1), h(1, 32), h(1), h(1), h(1)]
-    calls = [causal, causal, mask(0.0), causal, mask(0.0)]
-    assert S.sweep_groups(hs, calls, 512) == [[0, 3], [1], [2, 4]]
-    assert S.sweep_groups(hs, [mask(0.0), mask(0.0), mask(0.0), mask(1.0), mask(0.0)], 512) == [[0, 2, 4], [1], [3]]
-    # a micro-batch over half the positions allowed, or none allowed: alone
-    assert S.sweep_groups([h(3)] * 3, [causal] * 3, 64) == [[0], [1], [2]]
-    assert S.sweep_groups([h(1)] * 3, [causal] * 3, 0) == [[0], [1], [2]]
+    assert mx.array_equal(single[0], several[0]).item()
 
 
 def test_blocks_returning_more_than_the_hidden_state_are_bitwise_mlx_lm(tmp_path):
