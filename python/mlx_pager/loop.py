@@ -60,8 +60,8 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     all_losses, ntokens = mx.array(0.0), mx.array(0)
     # Layer-major in groups: one sweep over the blocks serves a whole group,
     # as many batches as the activations the plan reserves hold (each keeps
-    # its hidden state and the next block's output; the block works on
-    # several short ones at once), at most 8 (Session.eval_group).
+    # its hidden state and the next block's output; the block works on one
+    # at a time), at most 8 (Session.eval_group).
     group = s.eval_group()
 
     def check_block(phase, i):

@@ -1110,7 +1110,7 @@ def accesses_from_marks(
     in reverse); `held`: the tail held its pages instead (step.holds_tail,
     the step record's tail_held); `whole`: forward blocks of several pages
     that ran bound whole (step.Blocks.bound_whole, the step record's
-    forward_whole: several micro-batches or groups, the block's pages all
+    forward_whole: several micro-batches, the block's pages all
     acquired before its graphs and held to their end), each one access of
     all its pages. (Taken as lazy reads, part by part, the read shape's
     prefix sweep at 10% was predicted 1.10x fast: its parts, held to each

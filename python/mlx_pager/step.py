@@ -250,6 +250,34 @@ def split_batch(batch: mx.array, lengths: mx.array, parts: int, shared_norm: boo
     return out
 
 
+def _sequence_problem(arch: str, calls: list, order: List[int]) -> Optional[str]:
+    """Why a recording's calls cannot be paged (None: they can): the
+    blocks must be called once each, in order, the output of one the input
+    of the next."""
+    L = len(calls)
+    if not order:
+        return (
+            f"{arch}: the forward pass never calls the blocks of model.layers "
+            "(it reaches into their submodules), so they cannot be run one at a time"
+        )
+    if order != list(range(L)):
+        repeated = sorted({i for i in order if order.count(i) > 1})
+        if repeated:
+            why = f"calls blocks {repeated[:4]} more than once (shared or looped blocks)"
+        elif len(order) < L:
+            why = f"never calls blocks {[i for i in range(L) if i not in order][:4]}"
+        else:
+            why = "calls its blocks out of order"
+        return f"{arch}: the forward pass {why}; mlx-pager pages blocks called once each, in order"
+    for i in range(1, L):
+        if calls[i][0] is not calls[i - 1][0]:
+            return (
+                f"{arch}: the forward pass changes the hidden state between blocks {i - 1} and {i} "
+                "(or uses a block's output otherwise), so blocks cannot be run one after the other"
+            )
+    return None
+
+
 def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = False, **kwargs):
     """(h0, calls): the embedding output and each block's call arguments
     ``(args, kwargs)``, from running the model's own ``__call__`` on `inputs`
@@ -264,9 +292,8 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     cache."""
     L = len(model.layers)
     arch = architecture(model)
-    caches = _cache_objects(kwargs.get("cache"))
-    saved = [(c, _attributes(c)) for c in caches]
-    first = None
+    saved = [(c, _attributes(c)) for c in _cache_objects(kwargs.get("cache"))]
+    problem = None  # the first try's: what it raised, or why its calls cannot be paged
     # Blocks return the hidden state, or a tuple of it and more (the model
     # unpacks as many as its blocks return): the count last found first.
     for n in dict.fromkeys([_outputs(model), *range(1, _MAX_OUTPUTS + 1)]):
@@ -274,41 +301,26 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
         try:
             with stand_ins(model, lambda i, l, c=calls, o=order, n=n: _Record(l, i, c, o, outputs=n)):
                 model(inputs, **kwargs)  # the logits of this pass are never evaluated
-            break
+            why = _sequence_problem(arch, calls, order)
         except NotPageable:
             raise
         except Exception as e:
-            first = first or e
-            for c, attrs in saved:  # a failed try's changes to the caches undone
-                vars(c).clear()
-                vars(c).update(attrs)
+            why = e
+        if why is None:
+            break
+        problem = problem or why
+        for c, attrs in saved:  # the try's changes to the caches undone
+            vars(c).clear()
+            vars(c).update(_copied(attrs))  # a fresh copy: the next try may change its lists
     else:
+        if isinstance(problem, str):
+            raise NotPageable(problem)
         raise NotPageable(
             f"{arch}: its forward pass fails when its blocks only pass the hidden state on "
-            f"({one_line(first)}); "
+            f"({one_line(problem)}); "
             "its blocks exchange more than the hidden state"
-        ) from first
+        ) from problem
     _OUTPUTS[type(model)] = n
-    if not order:
-        raise NotPageable(
-            f"{arch}: the forward pass never calls the blocks of model.layers "
-            "(it reaches into their submodules), so they cannot be run one at a time"
-        )
-    if order != list(range(L)):
-        repeated = sorted({i for i in order if order.count(i) > 1})
-        if repeated:
-            why = f"calls blocks {repeated[:4]} more than once (shared or looped blocks)"
-        elif len(order) < L:
-            why = f"never calls blocks {[i for i in range(L) if i not in order][:4]}"
-        else:
-            why = "calls its blocks out of order"
-        raise NotPageable(f"{arch}: the forward pass {why}; mlx-pager pages blocks called once each, in order")
-    for i in range(1, L):
-        if calls[i][0] is not calls[i - 1][0]:
-            raise NotPageable(
-                f"{arch}: the forward pass changes the hidden state between blocks {i - 1} and {i} "
-                "(or uses a block's output otherwise), so blocks cannot be run one after the other"
-            )
     owner = {}
     for i, (_, args, kwargs) in enumerate(calls):
         for _, v in tree_flatten((args, kwargs)):
@@ -334,7 +346,7 @@ def run_block(layer: nn.Module, h: mx.array, call) -> mx.array:
     rest)."""
     args, kwargs = call
     out = layer(h, *args, **kwargs)
-    if isinstance(out, tuple) and out and isinstance(out[0], mx.array):
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], mx.array):
         out = out[0]
     if not isinstance(out, mx.array):
         raise NotPageable(
@@ -424,7 +436,11 @@ def _cache_objects(cache) -> list:
 def _attributes(obj) -> dict:
     """A copy of obj's attributes, lists copied (ArraysCache sets its list's
     items in place)."""
-    return {k: list(v) if isinstance(v, list) else v for k, v in vars(obj).items()}
+    return _copied(vars(obj))
+
+
+def _copied(attrs: dict) -> dict:
+    return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
 
 
 def _head_ce(model, inputs, targets, mask, h):
@@ -494,7 +510,7 @@ class Blocks:
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
         # Forward blocks in parts that ran bound whole (their pages all
         # acquired before the block's graphs and held to their end: several
-        # micro-batches or groups), in the order run, since the caller last
+        # micro-batches), in the order run, since the caller last
         # cleared it; the others read their parts lazily. A measured step's
         # accesses take them as one access of all their pages
         # (simulate.accesses_from_marks `whole`).

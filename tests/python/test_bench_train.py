@@ -220,7 +220,7 @@ def test_the_rows_are_sampled_at_the_setting_best_over_all_the_shapes_samples():
 def test_a_windowed_rows_prediction_uses_the_windows_its_figures_do():
     """The simulator gets a windowed row's compute from the windows its step
     time comes from (steady_indices), not from the first window of several
-    (slower once a run: the sweep compares grouped and lone forwards)."""
+    (before the readahead choice, and the first to compile)."""
 
     def step(hold, t0):
         # block 0 forward, block 1 forward, block 1 backward; no waits

@@ -578,8 +578,8 @@ def test_auto_readahead_tunes_a_training_run(models, train_only_data, tmp_path):
         quiet=True,
         readahead=0,
         page_budget=None,
-        # step by step: a frozen prefix run ahead (here for its grouped
-        # sweep: everything fits) moves the choice to a window's end
+        # step by step: a frozen prefix run ahead moves the choice to a
+        # window's end
         prefix_ahead=1,
     )
     res = run(types.SimpleNamespace(**args), Callbacks([auto, Grab()]))

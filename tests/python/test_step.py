@@ -732,3 +732,40 @@ def test_a_block_taking_another_block_s_output_is_refused_naming_both(tmp_path, 
     with pytest.raises(NotPageable) as e:
         S.record_calls(model, mx.array([[1, 2, 3, 4]]))
     assert "block 2 takes output 1 of block 0 besides the hidden state" in str(e.value)
+
+
+class _Three(nn.Module):
+    """A block returning a list of three values, the hidden state first."""
+
+    def __call__(self, h, cache=None):
+        return [h * 2, h, None]
+
+
+class _AppendsToItsCache(nn.Module):
+    """A model that writes to a cache object outside its blocks (as
+    longcat_flash_ngram's n-gram embedding does) and unpacks three values
+    from each block."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [_Three(), _Three()]
+
+    def __call__(self, inputs, cache=None):
+        cache[0].seen.append(inputs.shape[1])
+        h = inputs.astype(mx.float32)
+        for layer, c in zip(self.layers, cache):
+            h, _, _ = layer(h, cache=c)
+        return h
+
+
+def test_recording_tries_each_output_count_from_the_caches_as_they_were(tmp_path):
+    """The recording tries stand-ins returning 1, 2, 3 values until the
+    model's forward pass goes through; what each failed try did to the cache
+    objects is undone, so the model's own writes happen once (twice, the
+    n-gram cache of longcat_flash_ngram sent decode off mlx-lm's)."""
+    model = _AppendsToItsCache()
+    cache = [types.SimpleNamespace(seen=[]), types.SimpleNamespace(seen=[])]
+    S._OUTPUTS.pop(type(model), None)
+    h0, calls = S.record_calls(model, mx.ones((1, 5)), per_block_state=True, cache=cache)
+    assert S._outputs(model) == 3 and cache[0].seen == [5]
+    assert mx.array_equal(S.run_block(model.layers[0], h0, calls[0]), h0 * 2).item()  # a list's first value
