@@ -422,6 +422,17 @@ def _overlay(cfg: dict, over: dict) -> None:
 # dicts, a rope dict a validator insists on). Laid over the derived config
 # before it is repaired; each value is what that architecture's published
 # configs hold, at the tiny sizes.
+# Gemma 4's large models: 5 sliding layers to 1 full one (here 3 to 1), K = V
+# on the full layers, no KV shared across layers, no per-layer inputs.
+_GEMMA4 = {
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "num_kv_shared_layers": 0,
+    "global_head_dim": 32,
+    "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1,
+    "hidden_size_per_layer_input": 0,
+    "use_double_wide_mlp": False,
+}
 CONFIGS: Dict[str, dict] = {
     # transformers validates config.json when mlx-lm loads the tokenizer
     # (load, load_paged): per-layer kinds from its list, rope dicts whole,
@@ -531,33 +542,10 @@ CONFIGS: Dict[str, dict] = {
             "laurel_rank": 8,
         }
     },
-    # Gemma 4 26B-A4B: MoE beside the MLP, K = V on full layers, 5 sliding to 1 full
-    "gemma4": {
-        "text_config": {
-            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-            "num_kv_shared_layers": 0,
-            "global_head_dim": 32,
-            "attention_k_eq_v": True,
-            "num_global_key_value_heads": 1,
-            "hidden_size_per_layer_input": 0,
-            "use_double_wide_mlp": False,
-            "enable_moe_block": True,
-            "top_k_experts": 2,
-        }
-    },
-    # Gemma 4 31B-style: dense, no KV shared across layers
-    "gemma4_text": {
-        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        "num_kv_shared_layers": 0,
-        "global_head_dim": 32,
-        "attention_k_eq_v": True,
-        "num_global_key_value_heads": 1,
-        "hidden_size_per_layer_input": 0,
-        "use_double_wide_mlp": False,
-        "num_experts": None,
-        "moe_intermediate_size": None,
-        "enable_moe_block": False,
-    },
+    # Gemma 4 26B-A4B: MoE beside the MLP
+    "gemma4": {"text_config": {**_GEMMA4, "enable_moe_block": True, "top_k_experts": 2}},
+    # Gemma 4 31B-style: dense
+    "gemma4_text": {**_GEMMA4, "num_experts": None, "moe_intermediate_size": None, "enable_moe_block": False},
     # every 4th layer full attention without rope; Metal kernels only
     "muse_spark": {
         "text_config": {
