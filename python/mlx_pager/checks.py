@@ -206,3 +206,22 @@ def check_blocks_unpatched(model) -> None:
                 "model of this architecture: run mlx-pager in a fresh process (its own --grad-checkpoint "
                 "recomputes without patching)"
             )
+
+
+def check_pageable(model, generation: bool = False) -> None:
+    """Refuses, before any data is loaded or any page read, a model whose
+    blocks cannot be paged (layers.NotPageable, one line: the architecture
+    and why): the model's own forward pass on two tokens with recording
+    stand-ins for its blocks (step.record_calls; nothing is computed), as
+    every step or generated token records it. `generation`: through a
+    prompt cache of its own, thrown away after."""
+    import mlx.core as mx
+
+    from . import step
+
+    kwargs = {}
+    if generation:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        kwargs = {"per_block_state": True, "cache": make_prompt_cache(model)}
+    step.record_calls(model, mx.zeros((1, 2), dtype=mx.int32), **kwargs)

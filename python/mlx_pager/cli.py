@@ -22,6 +22,7 @@ import types
 from pathlib import Path
 
 from .budget import BudgetError, format_size
+from .layers import NotPageable
 
 
 def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: str):
@@ -181,9 +182,17 @@ def lora_main(argv) -> int:
         # OSError: a file or directory the run cannot read or write (named);
         # ImportError: --report-to names a logger that is not installed
         # (mlx-lm's own message, which says what to install).
-        print(f"mlx-pager: {e}", file=sys.stderr)
+        print(f"mlx-pager: {_message(e, 'mlx_lm.lora')}", file=sys.stderr)
         return 2
     return 0
+
+
+def _message(e: BaseException, tool: str) -> str:
+    """A run's error as one line; for a model whose blocks cannot be paged,
+    with what to do instead (there is no option of ours that helps)."""
+    if isinstance(e, NotPageable):
+        return f"{e}. mlx-pager cannot page this model; {tool} runs it with every weight in memory, where it fits"
+    return str(e)
 
 
 def demo_main(argv) -> int:
@@ -433,7 +442,7 @@ def generate_main(argv) -> int:
             kv_tokens = min(kv_tokens, args.max_kv_size)
         paged.reserve(kv_tokens)
     except (BudgetError, ModelNotFound, FileNotFoundError, ValueError) as e:
-        print(f"mlx-pager: {e}", file=sys.stderr)
+        print(f"mlx-pager: {_message(e, 'mlx_lm.generate')}", file=sys.stderr)
         return 2
     sampler = make_sampler(
         args.temp,
@@ -464,8 +473,8 @@ def generate_main(argv) -> int:
             if args.verbose:
                 print(response.text, end="", flush=True)
             text += response.text
-    except BudgetError as e:
-        print(f"\nmlx-pager: {e}", file=sys.stderr)
+    except (BudgetError, NotPageable) as e:
+        print(f"\nmlx-pager: {_message(e, 'mlx_lm.generate')}", file=sys.stderr)
         return 2
     if not args.verbose:
         print(text)

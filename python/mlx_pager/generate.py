@@ -60,7 +60,7 @@ from mlx.utils import tree_flatten
 
 from . import step
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
-from .checks import check_blocks_unpatched
+from .checks import check_blocks_unpatched, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
 from .session import default_budget, model_path_of, plan_slack
@@ -507,6 +507,7 @@ def load_paged(
         adapter_path = _check_adapter_path(adapter_path)
     model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
     check_blocks_unpatched(model)
+    check_pageable(model, generation=True)
     tokenizer = load_tokenizer(
         path,
         dict(tokenizer_config or {}, trust_remote_code=trust_remote_code),
