@@ -517,14 +517,15 @@ class _Sim:
             if self.optimal:
                 cands = idle + busy
                 at = (self.cursor + when + 1) % self.S
-                later = {c: NEVER if nu[c] is None else nu[c][at] for c in cands}
 
-                def key(c, later=later):
-                    return (prio[c], -later[c], last[c])
+                def key(c, at=at):
+                    return (prio[c], -(NEVER if nu[c] is None else nu[c][at]), last[c])
 
                 # The first of the least keys (the index breaks ties, as
                 # min over the list in order does).
-                pick = min((prio[c], -later[c], last[c], j) for j, c in enumerate(cands))[3]
+                pick = min(
+                    (prio[c], -(NEVER if nu[c] is None else nu[c][at]), last[c], j) for j, c in enumerate(cands)
+                )[3]
             else:
                 cands = idle
 
