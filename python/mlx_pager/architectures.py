@@ -750,7 +750,7 @@ def _repair(mod, cfg: dict, layers: int) -> dict:
                         options.append((home, k, {**v, key: _key_value(key)}))
         for field in _named_fields(e, names):
             for home in homes:
-                if field in home or home is cfg or home is not cfg and field not in cfg:
+                if field in home or home is cfg or field not in cfg:
                     for v in _candidates(field, home.get(field, defaults.get(field)), layers, kinds):
                         options.append((home, field, v))
                     if listed:  # "... must contain keys {'type', 'factor'}"

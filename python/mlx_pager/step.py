@@ -309,9 +309,7 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
         if why is None:
             break
         problem = problem or why
-        for c, attrs in saved:  # the try's changes to the caches undone
-            vars(c).clear()
-            vars(c).update(_copied(attrs))  # a fresh copy: the next try may change its lists
+        _restore(saved)  # the try's changes to the caches undone
     else:
         if isinstance(problem, str):
             raise NotPageable(problem)
@@ -416,9 +414,7 @@ def head_call(model: nn.Module, inputs: mx.array, h: mx.array, **kwargs) -> mx.a
         with stand_ins(model, lambda i, l: _Emit(l, h, i, n) if i == last else _Pass(l, i, n)):
             return model(inputs, **kwargs)
     finally:
-        for c, attrs in saved:
-            vars(c).clear()
-            vars(c).update(attrs)
+        _restore(saved)
 
 
 def _cache_objects(cache) -> list:
@@ -441,6 +437,15 @@ def _attributes(obj) -> dict:
 
 def _copied(attrs: dict) -> dict:
     return {k: list(v) if isinstance(v, list) else v for k, v in attrs.items()}
+
+
+def _restore(saved) -> None:
+    """Puts back the attributes `_attributes` took, [(obj, attrs)], each
+    from a fresh copy (what is put back may be changed again, and restored
+    again, from the same snapshot)."""
+    for obj, attrs in saved:
+        vars(obj).clear()
+        vars(obj).update(_copied(attrs))
 
 
 def _head_ce(model, inputs, targets, mask, h):
