@@ -544,8 +544,20 @@ CONFIGS: Dict[str, dict] = {
     },
     # Gemma 4 26B-A4B: MoE beside the MLP
     "gemma4": {"text_config": {**_GEMMA4, "enable_moe_block": True, "top_k_experts": 2}},
-    # Gemma 4 31B-style: dense
-    "gemma4_text": {**_GEMMA4, "num_experts": None, "moe_intermediate_size": None, "enable_moe_block": False},
+    # Gemma 4 E2B/E4B-style: dense, the last layers taking the keys and
+    # values of the last earlier layer of their kind (carries: carry.py),
+    # per-layer input embeddings, double-wide MLPs on the sharing layers
+    "gemma4_text": {
+        **_GEMMA4,
+        "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2),
+        "num_kv_shared_layers": LAYERS // 2,
+        "attention_k_eq_v": False,
+        "hidden_size_per_layer_input": 16,
+        "use_double_wide_mlp": True,
+        "num_experts": None,
+        "moe_intermediate_size": None,
+        "enable_moe_block": False,
+    },
     # every 4th layer full attention without rope; Metal kernels only
     "muse_spark": {
         "text_config": {
@@ -1010,7 +1022,7 @@ RECORDED: Dict[str, Dict[str, str]] = {
     "granitemoe": {"bf16": "cannot build", "4bit": "pass"},
     "granitemoehybrid": {"bf16": "cannot build", "4bit": "pass"},
     "helium": {"bf16": "pass", "4bit": "pass"},
-    "hunyuan": {"bf16": "cannot build", "4bit": "refused"},
+    "hunyuan": {"bf16": "cannot build", "4bit": "pass"},
     "hunyuan_v1_dense": {"bf16": "pass", "4bit": "pass"},
     "internlm2": {"bf16": "pass", "4bit": "pass"},
     "internlm3": {"bf16": "pass", "4bit": "pass"},
@@ -1078,7 +1090,7 @@ RECORDED: Dict[str, Dict[str, str]] = {
     "qwen3_vl": {"bf16": "pass", "4bit": "pass"},
     "qwen3_vl_moe": {"bf16": "cannot build", "4bit": "pass"},
     "recurrent_gemma": {"bf16": "cannot build", "4bit": "cannot build"},
-    "rwkv7": {"bf16": "refused", "4bit": "refused"},
+    "rwkv7": {"bf16": "pass", "4bit": "pass"},
     "seed_oss": {"bf16": "pass", "4bit": "cannot build"},
     "smollm3": {"bf16": "pass", "4bit": "pass"},
     "solar_open": {"bf16": "cannot build", "4bit": "pass"},

@@ -58,7 +58,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import step
+from . import carry, step
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .checks import check_blocks_unpatched, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
@@ -342,6 +342,8 @@ class PagedModel:
         # Each block's call arguments (mask, its own KV cache); the logits of
         # this recording pass are never evaluated.
         h, calls = step.record_calls(model, inputs, per_block_state=True, cache=cache, **kwargs)
+        carries = carry.Carries(calls)
+        extras = {}  # what blocks pass later ones besides h (carry.py), until their last consumer
         holds_all = self.holds_all()
         self._use_cache(holds_all)
         if holds_all:
@@ -350,7 +352,9 @@ class PagedModel:
             # graph views it is freed when the graph lets go).
             with self.weights.bound(*range(L)):
                 for i in range(L):
-                    h = step.run_block(self.blocks[i], h, calls[i])
+                    link = carry.link(carries, i, extras)
+                    h = carry.kept(step.run_linked(self.blocks[i], h, calls[i], link), link, extras)
+                extras = None
                 if inputs.shape[1] > 1:
                     # A prompt chunk: its cache evaluated here, as block by
                     # block (mlx-lm evaluates it next anyway; the chunk's time
@@ -364,10 +368,12 @@ class PagedModel:
         else:
             for i in range(L):
                 args, kw = calls[i]
+                link = carry.link(carries, i, extras)
                 with self.weights.bound(i):
-                    h = step.run_block(self.blocks[i], h, (args, kw))
-                    mx.eval(h, _cache_arrays(args, kw))
-                del args, kw
+                    h = carry.kept(step.run_linked(self.blocks[i], h, (args, kw), link), link, extras)
+                    mx.eval(h, _cache_arrays(args, kw), carry.kept_arrays(link, extras))
+                del args, kw, link
+                carry.forget(carries, [extras], upto=i)
                 calls[i] = None
                 self.gov.check()
         logits = step.head_call(model, inputs, h, cache=cache, **kwargs)

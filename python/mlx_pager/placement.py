@@ -53,7 +53,7 @@ The predicted peak covers what the budget's pool holds during the step:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 # Relative cost of a step's parts, in forward passes of one block: a frozen
 # block's backward (input gradients through the frozen weights, the
@@ -89,6 +89,9 @@ class Sizes:
     forward_per_token: Optional[float] = None
     forward_len: int = 0
     head_chunk_bytes: int = 64 << 20
+    # One carry's bytes per token (carry.py: keys and values a block passes
+    # later ones), measured (None: estimated as two hidden states).
+    carry_per_token: Optional[float] = None
     # tokens of the measure kept, per kind (learn)
     _tokens: Dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -131,6 +134,13 @@ class Sizes:
     def checkpoint(self, rows: int, length: int) -> int:
         return rows * length * self.hidden * self.itemsize
 
+    def carry(self, rows: int, length: int) -> int:
+        """One carry kept for a micro-batch (keys and values: at most about
+        two hidden states, until measured)."""
+        if self.carry_per_token is None:
+            return 2 * self.checkpoint(rows, length)
+        return int(self.carry_per_token * rows * length)
+
     def learn(self, probe: dict) -> None:
         """Takes in what a step measured (step.paged_value_and_grad's probe).
         A measure over fewer tokens than the one kept does not replace it
@@ -146,6 +156,10 @@ class Sizes:
             if self._longer("forward", rows * length):
                 self.forward_per_token = nbytes / max(1, rows * length)
                 self.forward_len = length
+        if "carried" in probe:
+            nbytes, rows, length, count = probe["carried"]
+            if count and self._longer("carried", rows * length):
+                self.carry_per_token = nbytes / max(1, rows * length * count)
         if "tail" in probe:
             nbytes, blocks, rows, length = probe["tail"]
             if blocks != self.tail_blocks:
@@ -192,6 +206,22 @@ class Step:
     batches: int = 1  # batches per optimizer step (gradient accumulation)
     held: Optional[List[int]] = None  # per block: bytes a streamed tail holds as copies (None: 0)
     ahead: int = 1  # steps the frozen prefix may run ahead for (prefix.py; 1: none)
+    # (producer, last consumer) per carry (carry.py): state a block passes
+    # later ones, kept from its forward to the consumer's backward; no tail
+    # starts between the two where the producer is trained.
+    carries: List[Tuple[int, int]] = field(default_factory=list)
+
+    def tail_allowed(self, s: int) -> bool:
+        """Whether a tail may start at s: no carry from a trained block
+        crosses it (the paged step would run it as none; a frozen one's
+        enters the tail as a constant)."""
+        return not any(self.first_trained <= p < s <= c for p, c in self.carries)
+
+    @property
+    def no_recompute(self) -> int:
+        """The lowest tail start allowed (first_trained where no carry
+        crosses it): the fastest placement's."""
+        return next(s for s in range(self.first_trained, self.num_blocks + 1) if self.tail_allowed(s))
 
     def micro_batches(self, parts: int) -> int:
         """Micro-batches per step when each batch is split into `parts`."""
@@ -231,7 +261,10 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
         work.append(sizes.head(rows, length))
     trained = L - first
     cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
-    activations = checkpoints + held + max(work)
+    # Carries made below the tail, kept for the step (one per micro-batch
+    # each); those in the tail are its graph's (its measure has them).
+    carried = step.batches * sum(1 for p, _ in step.carries if p < s) * sizes.carry(step.rows, length)
+    activations = checkpoints + held + max(work) + carried
     ahead = max(1, ahead) if first > 0 else 1
     waiting = (ahead - 1) * batch_ckpt
     if ahead > 1:
@@ -258,6 +291,8 @@ def candidates(step: Step, sizes: Sizes) -> List[Placement]:
         if parts > 1 and -(-step.rows // parts) == -(-step.rows // (parts - 1)):
             continue  # the same micro-batch size as fewer parts
         for s in range(step.first_trained, step.num_blocks + 1):
+            if not step.tail_allowed(s):
+                continue
             r = s - step.first_trained
             for spilled in sorted({0, r, r // 4, r // 2, 3 * r // 4}):
                 for ahead in sorted({1, step.ahead}):

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import dropout, step
+from . import carry, dropout, step
 
 
 def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: int) -> mx.array:
@@ -50,14 +50,18 @@ def tail_value_and_grad(
     keys: Sequence[Optional[mx.array]],
     chunk_bytes: int,
     stream=None,
+    entering: Optional[dict] = None,
 ) -> Tuple[mx.array, mx.array, Dict[int, Dict[str, mx.array]]]:
     """(loss, dL/dh[start], {block: {adapter name: grad}}) for blocks
     start..L-1 and the head, for one micro-batch. The blocks' pages must be
     bound, or `stream` (a bound stream.Stream over them) reads them where
     the graph uses them. keys[i]: block i's dropout key (None without dropout). When no
     block below `start` is trained, dL/dh[start] is not computed (None):
-    nothing needs it, and mlx-lm does not compute it either."""
+    nothing needs it, and mlx-lm does not compute it either. `entering`
+    ({ref: value}): the carries made below `start` that the tail's blocks
+    take (carry.py), from frozen blocks: constants of the graph."""
     L = len(model.layers)
+    carries = mb.carries
     layers = [model.layers[i] for i in range(start, L)]
     names = [step._trainable_names(layer) for layer in layers]
     params = [[v for _, v in tree_flatten(layer.trainable_parameters())] for layer in layers]
@@ -68,11 +72,14 @@ def tail_value_and_grad(
         for layer, n, k in zip(layers, names, sizes):
             layer.update(tree_unflatten(list(zip(n, flat[at : at + k]))))
             at += k
+        extras = dict(entering or {})  # carries taken in the tail: from frozen blocks below, or made in it
         for j, layer in enumerate(layers):
+            i = start + j
             if stream is not None:
-                stream.enter(start + j, x)
-            with step.keyed_dropout(layer, keys[start + j]):
-                x = step.run_block(layer, x, mb.calls[start + j])
+                stream.enter(i, x)
+            link = carry.link(carries, i, extras)
+            with step.keyed_dropout(layer, keys[i]):
+                x = carry.kept(step.run_linked(layer, x, mb.calls[i], link), link, extras)
         return [_head_loss_in_graph(model, mb, x, chunk_bytes)]
 
     flat = [p for ps in params for p in ps]
@@ -135,18 +142,28 @@ class Tail:
         self._stream = None  # the Stream a streamed trace builds its reads from (None: held)
         self.uncompiled: Optional[str] = None  # why mx.compile failed
 
-    def value_and_grad(self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None):
+    def value_and_grad(
+        self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None, extras=None
+    ):
+        """`extras`: the carries kept below `start` (carry.py), of which the
+        tail takes those entering it."""
+        refs = mb.carries.entering(start) if mb.carries else []
+        entering = {r: extras[r] for r in refs}
         dropout = any(k is not None for k in keys[start:])
         if not self.compile or self.uncompiled is not None or dropout:
-            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
+            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)
         streamed = stream is not None
         fn = self._fns.get((start, chunk_bytes, streamed))
         if fn is None:
             model, tail = self.model, self
 
-            def compiled(h, inputs, targets, mask, norm, calls):
-                m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm)
-                return tail_value_and_grad(model, start, m, h, [None] * len(keys), chunk_bytes, tail._stream)
+            carries = mb.carries  # the model's, the same for every batch
+
+            def compiled(h, inputs, targets, mask, norm, calls, values):
+                m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm, carries=carries)
+                return tail_value_and_grad(
+                    model, start, m, h, [None] * len(keys), chunk_bytes, tail._stream, dict(zip(refs, values))
+                )
 
             fn = self._fns[(start, chunk_bytes, streamed)] = mx.compile(compiled, inputs=[model.state])
         # mx.compile swaps every array of model.state (private ones too, e.g.
@@ -155,14 +172,15 @@ class Tail:
         before = tree_flatten(self.model.state)
         self._stream = stream
         try:
-            return fn(h, mb.inputs, mb.targets, mb.mask, mb.norm, mb.calls)
+            calls = carry.strip_all(mb.carries, mb.calls) if mb.carries else mb.calls  # no placeholders into mx.compile
+            return fn(h, mb.inputs, mb.targets, mb.mask, mb.norm, calls, [entering[r] for r in refs])
         except Exception as e:
             self.model.update(tree_unflatten(before), strict=False)
             # A trace that fails fails before running anything; running the
             # tail uncompiled raises any error of its own again.
             self.uncompiled = step.one_line(e)
             self._fns.clear()
-            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream)
+            return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)
         finally:
             self._stream = None
 

@@ -381,7 +381,7 @@ class Session:
         if self.page_cap is None:
             return
         acts = placement.evaluate(
-            self.shape, self.sizes, self.shape.first_trained, 1, ahead=self.shape.ahead
+            self.shape, self.sizes, self.shape.no_recompute, 1, ahead=self.shape.ahead
         ).activations
         budget = self.plan.fixed_without_activations + acts + self.page_cap
         if budget > self.plan.budget:
@@ -649,6 +649,7 @@ def open_session(
     max_page = weights.max_block_charge
     slack = plan_slack()
     L = len(model.layers)
+    carries = step.model_carries(model)  # what blocks pass each other besides h (carry.py)
     # Forward-only evaluation keeps no checkpoints: plan it as a step with
     # no trained block.
     shape = placement.Step(
@@ -660,6 +661,7 @@ def open_session(
         length=seq_len,
         # evaluation sweeps groups of up to 8 batches together (loop.evaluate)
         batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
+        carries=carries.pairs(),
     )
     sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes, _largest_weight_elems(weights))
     if training:
@@ -671,6 +673,7 @@ def open_session(
             first,
             shape.footprints,
             shape.batches * sizes.checkpoint(args.batch_size, seq_len),
+            carries,
         )
     plan = MemoryPlan(
         budget=plan_budget,
@@ -717,7 +720,7 @@ def open_session(
                 f"Raise page_budget to at least {max_page} ({format_size(max_page, up=True)}), or leave it out "
                 "(memory_budget plans the pages)."
             )
-        if training and first < L and ceiling is None:
+        if training and first < L and ceiling is None and not carries.crosses(first):
             # Nothing caps the memory here: measure the whole tail's
             # working set (one sequence) rather than reserve a guess
             # (--grad-checkpoint: no tail to measure).
@@ -730,7 +733,7 @@ def open_session(
         fastest = (
             ceiling
             if ceiling is not None
-            else placement.evaluate(shape, sizes, shape.first_trained, 1, ahead=shape.ahead)
+            else placement.evaluate(shape, sizes, shape.no_recompute, 1, ahead=shape.ahead)
         )
         plan.activations = fastest.activations
         plan.budget = plan.fixed + page_cap

@@ -27,6 +27,10 @@ time (llm.c style: forward, then backward walking the forward in reverse):
 With several micro-batches (gradient accumulation) every micro-batch passes
 through a block while it is in memory (layer-major order), so a block is
 read once per sweep per optimizer step, not once per micro-batch.
+
+Where a block takes another's extra outputs (Gemma 4 E2B's shared keys and
+values: carry.py), the forward keeps them from producer to consumer, and
+the backward hands the consumer's cotangents for them to the producer.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import dropout
+from . import carry, dropout
+from .carry import Carries
 from .layers import BlockList, NotPageable, architecture
 from .stream import Stream, forward_pages
 
@@ -87,17 +92,7 @@ def _architecture_of(layer) -> str:
     return type(layer).__module__.rsplit(".", 1)[-1]
 
 
-class _Out:
-    """Stands in for output `k` (k >= 1) of block `block` where blocks
-    return more than the hidden state (gemma4's ``h, shared_kv, offset``,
-    hunyuan's ``h, shared_kv_states``): recording finds where the model
-    passes it (record_calls refuses a block that takes one)."""
-
-    def __init__(self, block: int, k: int):
-        self.block, self.k = block, k
-
-    def __repr__(self):
-        return f"<output {self.k} of block {self.block}>"
+_Out = carry.Out  # output k >= 1 of a block, as the stand-ins return it
 
 
 # How many values the blocks of a model class return (1: the hidden state
@@ -195,6 +190,7 @@ class MicroBatch:
     ntoks: mx.array  # scalar int32, mask.sum()
     h0: mx.array = None
     calls: list = field(default_factory=list)  # (args, kwargs) per block
+    carries: Carries = None  # what blocks pass each other besides h (carry.py)
     norm: mx.array = None  # the whole batch's token count (ntoks when unsplit)
     # Where a batch was split to fit: its rows, and this part's first row
     # (dropout.py draws the batch's masks and takes the part's rows).
@@ -217,6 +213,7 @@ class MicroBatch:
     def record(self, model: nn.Module) -> None:
         """Fills h0 and calls (record_calls)."""
         self.h0, self.calls = record_calls(model, self.inputs)
+        self.carries = Carries(self.calls)
         mx.eval(self.h0, [v for _, v in tree_flatten(self.calls) if isinstance(v, mx.array)])
 
     @staticmethod
@@ -289,7 +286,9 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     in order, the output of one the input of the next. Objects among a
     block's arguments (state the blocks share) are refused, except, with
     `per_block_state` (generation), one object per block such as its own KV
-    cache."""
+    cache. Where a block takes another's extra output, its call holds that
+    output's placeholder (carry.Out): a carry, which the caller passes on
+    (carry.Carries of the calls)."""
     L = len(model.layers)
     arch = architecture(model)
     saved = [(c, _attributes(c)) for c in _cache_objects(kwargs.get("cache"))]
@@ -325,11 +324,7 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
             if v is None or isinstance(v, (mx.array, bool, int, float, str)):
                 continue
             if isinstance(v, _Out):
-                raise NotPageable(
-                    f"{arch}: block {i} takes output {v.k} of block {v.block} besides the hidden state "
-                    "(state its blocks pass each other, such as keys and values shared across layers), "
-                    "so it cannot run on its own"
-                )
+                continue  # a carry (carry.py): the paged step passes it on
             if not per_block_state or owner.setdefault(id(v), i) != i:
                 raise NotPageable(
                     f"{arch}: block {i} is passed a {type(v).__name__} besides the hidden state "
@@ -338,20 +333,37 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     return calls[0][0], [(args, kwargs) for _, args, kwargs in calls]
 
 
-def run_block(layer: nn.Module, h: mx.array, call) -> mx.array:
+def model_carries(model: nn.Module) -> Carries:
+    """What the model's blocks pass each other besides the hidden state
+    (carry.py), from a recording on two tokens (nothing is computed)."""
+    _, calls = record_calls(model, mx.zeros((1, 2), dtype=mx.int32))
+    return Carries(calls)
+
+
+def run_block(layer: nn.Module, h: mx.array, call, keep: Tuple[int, ...] = ()):
     """The block's output hidden state: its output, or the first of the
-    outputs it returns (record_calls found that no other block takes the
-    rest)."""
+    outputs it returns. With `keep` (output indices, carry.Carries.keep):
+    (hidden state, [those outputs]), what later blocks take from it."""
     args, kwargs = call
     out = layer(h, *args, **kwargs)
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], mx.array):
-        out = out[0]
-    if not isinstance(out, mx.array):
+    several = isinstance(out, (tuple, list)) and out and isinstance(out[0], mx.array)
+    first = out[0] if several else out
+    if not isinstance(first, mx.array):
         raise NotPageable(
             f"{_architecture_of(layer)}: block {type(layer).__name__} returns "
             f"{type(out).__name__}, not the hidden state"
         )
-    return out
+    if not keep:
+        return first
+    return first, [out[k] for k in keep]
+
+
+def run_linked(layer: nn.Module, h: mx.array, call, link: Optional[carry.Link]):
+    """run_block with a block's carries (None: it has none): the values it
+    takes in its call, and (hidden state, kept outputs) where it keeps some."""
+    if link is None:
+        return run_block(layer, h, call)
+    return run_block(layer, h, link.fill(call), link.keep)
 
 
 def head_chunks(T: int, B: int, vocab: int, chunk_bytes: int) -> List[Tuple[int, int]]:
@@ -477,21 +489,41 @@ def _trainable_names(layer: nn.Module) -> List[str]:
     return [k for k, _ in tree_flatten(layer.trainable_parameters())]
 
 
-def block_vjp(layer: nn.Module, h: mx.array, call, cotangent: mx.array) -> Tuple[mx.array, Dict[str, mx.array]]:
-    """Recomputes the block at h and returns (dL/dh, {adapter name: dL/dparam})
-    for the cotangent dL/d(block output)."""
+def block_vjp(
+    layer: nn.Module, h: mx.array, call, cotangent: mx.array, link: Optional[carry.Link] = None, extra_cots=()
+):
+    """Recomputes the block at h and returns (dL/dh, {adapter name:
+    dL/dparam}, dL/dcarried) for the cotangent dL/d(block output). With a
+    `link`: the block takes its carries' values (dL/dcarried: the
+    cotangents of their differentiable leaves, carry.diff_leaves order) and
+    `extra_cots` are the cotangents of the differentiable leaves of its
+    kept outputs (link.keep)."""
     names = _trainable_names(layer)
     params = [v for _, v in tree_flatten(layer.trainable_parameters())]
+    values = link.values if link is not None else []
+    keep = link.keep if link is not None else ()
+    cin = carry.diff_leaves(values)
+    n = len(cin)
 
-    def f(x, *p):
-        layer.update(tree_unflatten(list(zip(names, p))))
-        return [run_block(layer, x, call)]
+    def f(x, *rest):
+        layer.update(tree_unflatten(list(zip(names, rest[n:]))))
+        c = link.fill(call, carry.with_diff_leaves(values, rest[:n])) if values else call
+        if not keep:
+            return [run_block(layer, x, c)]
+        out, extras = run_block(layer, x, c, keep)
+        outs, seen = [out], {id(out)}
+        for v in carry.diff_leaves(extras):
+            if id(v) in seen:
+                v = v + 0  # MLX's vjp takes one cotangent per distinct output array
+            seen.add(id(v))
+            outs.append(v)
+        return outs
 
     try:
-        _, grads = mx.vjp(f, [h, *params], [cotangent])
+        _, grads = mx.vjp(f, [h, *cin, *params], [cotangent, *extra_cots])
     finally:
         layer.update(tree_unflatten(list(zip(names, params))))  # drop tracers
-    return grads[0], dict(zip(names, grads[1:]))
+    return grads[0], dict(zip(names, grads[1 + n :])), list(grads[1 : 1 + n])
 
 
 class Blocks:
@@ -512,6 +544,7 @@ class Blocks:
 
         self.model, self.compile = model, compile
         self._fwd, self._bwd = {}, {}
+        self._extras: Dict[int, object] = {}  # block -> its kept outputs' template (carry.template)
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
         # Forward blocks in parts that ran bound whole (their pages all
         # acquired before the block's graphs and held to their end: several
@@ -550,59 +583,87 @@ class Blocks:
             self._bwd.pop(i, None)
             return None
 
-    def forward(self, i: int, h: mx.array, call, key=None) -> mx.array:
+    def forward(self, i: int, h: mx.array, call, key=None, link: Optional[carry.Link] = None):
+        """Block i's output hidden state; with a `link` that keeps outputs,
+        (hidden state, [kept outputs])."""
         layer = self.model.layers[i]
+        keep = link.keep if link is not None else ()
         with keyed_dropout(layer, key) as drops:
             if drops or not self.compile or i in self.uncompiled:
-                return run_block(layer, h, call)
+                return run_linked(layer, h, call, link)
         if i not in self._fwd:
+            shapes = self._extras
 
-            def fwd(h, params, args, kwargs):
+            def fwd(h, params, values, args, kwargs):
                 layer.update(params)
-                return run_block(layer, h, (args, kwargs))
+                c = link.fill((args, kwargs), values) if link is not None else (args, kwargs)
+                if not keep:
+                    return run_block(layer, h, c)
+                out, extras = run_block(layer, h, c, keep)
+                shapes[i] = carry.template(extras)  # a compiled function returns arrays only
+                return [out, *carry.array_leaves(extras)]
 
             self._fwd[i] = mx.compile(fwd)
         params = layer.parameters()
+        values = link.values if link is not None else []
+        bare = link.carries.strip(i, call) if link is not None else call
         try:
-            out = self._compiled(i, self._fwd[i], h, params, *call)
+            out = self._compiled(i, self._fwd[i], h, params, values, *bare)
         finally:
             layer.update(params)  # tracing left tracers in the module
-        return run_block(layer, h, call) if out is None else out
+        if out is None:
+            return run_linked(layer, h, call, link)
+        if not keep:
+            return out
+        return out[0], carry.with_array_leaves(self._extras[i], out[1:])
 
-    def vjp(self, i: int, h: mx.array, call, cotangent: mx.array, key=None):
+    def vjp(
+        self, i: int, h: mx.array, call, cotangent: mx.array, key=None, link: Optional[carry.Link] = None, extra_cots=()
+    ):
+        """(dL/dh, {adapter name: grad}, dL/dcarried): block_vjp, compiled."""
         layer = self.model.layers[i]
         with keyed_dropout(layer, key, backward=True) as drops:
             if drops or not self.compile or i in self.uncompiled:
-                return block_vjp(layer, h, call, cotangent)
+                return block_vjp(layer, h, call, cotangent, link, extra_cots)
         names = _trainable_names(layer)
         if i not in self._bwd:
 
-            def bwd(h, params, cotangent, args, kwargs):
+            def bwd(h, params, cotangent, values, extra_cots, args, kwargs):
                 layer.update(params)
-                g_h, g_p = block_vjp(layer, h, (args, kwargs), cotangent)
-                return g_h, [g_p[n] for n in names]
+                lk = None if link is None else carry.Link(link.carries, i, values, link.keep)
+                g_h, g_p, g_c = block_vjp(layer, h, (args, kwargs), cotangent, lk, extra_cots)
+                return g_h, [g_p[n] for n in names], g_c
 
             self._bwd[i] = mx.compile(bwd)
         params = layer.parameters()
+        values = link.values if link is not None else []
+        bare = link.carries.strip(i, call) if link is not None else call
         try:
-            out = self._compiled(i, self._bwd[i], h, params, cotangent, *call)
+            out = self._compiled(i, self._bwd[i], h, params, cotangent, values, list(extra_cots), *bare)
         finally:
             layer.update(params)
         if out is None:
-            return block_vjp(layer, h, call, cotangent)
-        g_h, grads = out
-        return g_h, dict(zip(names, grads))
+            return block_vjp(layer, h, call, cotangent, link, extra_cots)
+        g_h, grads, g_c = out
+        return g_h, dict(zip(names, grads)), g_c
 
 
 def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -> int:
     """MLX's peak memory for block `block`'s forward + vector-Jacobian
     product on a micro-batch of `rows` x `length` tokens (over the memory
     active before it): what the placement planner needs before the first
-    step, measured rather than guessed. The block's page is read for it."""
+    step, measured rather than guessed. The block's page is read for it.
+    A block that takes carries (carry.py) cannot run alone: the first one
+    above it that takes none is measured instead (blocks of a stack are
+    alike), and where there is none, ValueError."""
     batch = mx.zeros((rows, length + 1), dtype=mx.int32)
     lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
     mb = MicroBatch.from_batch(batch, lengths)
     mb.record(model)
+    free = [i for i in range(block, len(model.layers)) if not mb.carries.takes(i)]
+    if not free:
+        raise ValueError(f"every block from {block} up takes another block's outputs: none to measure alone")
+    block = free[0]
     h = mb.h0
     with weights.bound(block):
         mx.eval(h)
@@ -610,7 +671,7 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
         mx.reset_peak_memory()
         layer = model.layers[block]
         with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
-            g_h, g_p = block_vjp(layer, h, mb.calls[block], mx.ones_like(h))
+            g_h, g_p, _ = block_vjp(layer, h, mb.calls[block], mx.ones_like(h))
             mx.eval(g_h, g_p)
         used = max(0, mx.get_peak_memory() - base)
         del g_h, g_p
@@ -742,6 +803,14 @@ def paged_value_and_grad(
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
+    carries = micro_batches[0].carries
+    if carries and carries.crosses(s_tail, first):
+        s_tail = L  # (the planner never picks such a tail: placement.Step.carries)
+    if start is not None and carries.crosses(first):
+        raise ValueError("the frozen prefix cannot run ahead where a block above it takes a block's outputs from it")
+    # Per micro-batch: the outputs later blocks take (carry.py), kept from
+    # their producer's forward to their last consumer's backward.
+    extras: List[Dict[carry.Ref, object]] = [{} for _ in micro_batches]
 
     # Forward, layer-major, up to the tail. Active dropout draws from
     # per-(block, micro-batch) keys, mlx-lm's (dropout.plan), so that the
@@ -779,9 +848,10 @@ def paged_value_and_grad(
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
                 pages = _page_bytes(weights) if base is not None else None
-                out.append(blocks.forward(i, h, mb.calls[i], keys[i][m]))
+                link = carry.link(carries, i, extras[m])
+                out.append(carry.kept(blocks.forward(i, h, mb.calls[i], keys[i][m], link), link, extras[m]))
                 drop()
-                mx.eval(out[-1])
+                mx.eval(out[-1], carry.kept_arrays(link, extras[m]))
                 if base is not None:
                     # One forward block's working set, less the pages read
                     # ahead meanwhile (the largest of the sweep's blocks);
@@ -794,8 +864,12 @@ def paged_value_and_grad(
                     if used >= probe.get("forward", (0,))[0]:
                         probe["forward"] = (used, mb.rows, int(h.shape[1]))
             hs = out
+            carry.forget(carries, extras, upto=min(i, first - 1))  # no backward needs them
         if on_block is not None:
             on_block("forward", i)
+    if probe is not None and carries:
+        kept, mb = list(extras[0].values()), micro_batches[0]
+        probe["carried"] = (carry.unique_bytes(kept), mb.rows, mb.tokens // mb.rows, len(kept))
 
     grads: Dict[str, mx.array] = {}
 
@@ -821,7 +895,7 @@ def paged_value_and_grad(
                 base = _measure_start(probe) if m == 0 else None
                 pages = _page_bytes(weights) if base is not None else None
                 loss, g_h, g_blocks = blocks.tail.value_and_grad(
-                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed
+                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed, extras[m]
                 )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
@@ -848,6 +922,9 @@ def paged_value_and_grad(
             cots.append(g)
     del hs
 
+    # Per micro-batch: the summed cotangents of carries whose consumers'
+    # backward has run, for their producer's (its kept outputs').
+    pending: List[Dict[carry.Ref, List[mx.array]]] = [{} for _ in micro_batches]
     for i in range(s_tail - 1, first - 1, -1):
         kept = saved.pop(i)
         if kept is not None:
@@ -859,16 +936,20 @@ def paged_value_and_grad(
             new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(ins, micro_batches)):
                 base = _measure_start(probe) if m == 0 and i == s_tail - 1 else None
-                g_h, g_p = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m])
+                link = carry.link(carries, i, extras[m], pending[m])
+                extra = [g for k in (link.keep if link else ()) for g in pending[m].pop((i, k))]
+                g_h, g_p, g_c = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m], link, extra)
                 if base is not None:
                     mx.eval(g_h, g_p)
                     probe["block"] = (_measure_end(probe, base), mb.rows, int(h.shape[1]))
                 new_cots.append(g_h)
                 add(block_grads, i, g_p)
+                carry.add_cotangents(carries, i, extras[m], g_c, pending[m], first)
             h = None  # no reference to a checkpoint outlives its block
             cots = new_cots
-            mx.eval(cots, block_grads)
+            mx.eval(cots, block_grads, [list(p.values()) for p in pending])
             grads.update(block_grads)
+            carry.forget(carries, extras, down_to=i)  # their consumers' backward is done
         if on_block is not None:
             on_block("backward", i)
     if probe is not None:
@@ -975,22 +1056,22 @@ def _forward_sweep(model, weights, micro_batches, upto: int, on_block, phase: st
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
+    carries = micro_batches[0].carries
+    extras: List[dict] = [{} for _ in micro_batches]  # carries, from producer to last consumer
     hs = [mb.h0 for mb in micro_batches]
     for i in range(upto):
-        if len(weights.block_pages[i]) > 1 and len(hs) == 1:
-            with forward_pages(weights, i, hs[0]) as drop:
-                out = [blocks.forward(i, hs[0], micro_batches[0].calls[i])]
+        lazy = len(weights.block_pages[i]) > 1 and len(hs) == 1
+        if not lazy and len(weights.block_pages[i]) > 1:
+            blocks.bound_whole.append(i)
+        with forward_pages(weights, i, hs[0]) if lazy else _bound(weights, i) as drop:
+            out = []
+            for m, (h, mb) in enumerate(zip(hs, micro_batches)):
+                link = carry.link(carries, i, extras[m])
+                out.append(carry.kept(blocks.forward(i, h, mb.calls[i], None, link), link, extras[m]))
                 drop()
-                mx.eval(out)
-        else:
-            if len(weights.block_pages[i]) > 1:
-                blocks.bound_whole.append(i)
-            with weights.bound(i):
-                out = []
-                for h, mb in zip(hs, micro_batches):
-                    out.append(blocks.forward(i, h, mb.calls[i]))
-                    mx.eval(out[-1])
+                mx.eval(out[-1], carry.kept_arrays(link, extras[m]))
         hs = out
+        carry.forget(carries, extras, upto=i)
         if on_block is not None:
             on_block(phase, i)
     return hs

@@ -144,6 +144,31 @@ def test_models_keeping_state_of_their_own_generate_as_mlx_lm_at_the_least_page_
     assert [r.token for r in mlx_lm.stream_generate(paged, ptok, PROMPT, max_tokens=6)] == ref
 
 
+@pytest.mark.parametrize("least", [False, True])
+def test_blocks_sharing_keys_and_values_generate_as_mlx_lm(tmp_path, least):
+    """Gemma 4 E2B-style (carry.py): the last layers have no cache of their
+    own and take the keys and values (the whole cache's) of an earlier
+    layer. With every block held (one lazy graph) and at the least page
+    budget (a block at a time, each evaluated), in prompt chunks and
+    decoding: mlx-lm's tokens."""
+    from mlx_pager import architectures as A
+
+    path = A.build("gemma4_text", "bf16", tmp_path)
+    model, tok = mlx_lm.load(str(path))
+    prompt = tok.encode(PROMPT * 2)
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=6, prefill_step_size=8)]
+    del model
+    budget = None
+    if least:
+        probe, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"))
+        budget = probe.weights.max_block_charge
+        del probe
+    paged, _ = load_paged(str(path), ssd_cache_dir=str(tmp_path / "c"), page_budget=budget, prefill_step_size=8)
+    assert paged.holds_all() != least
+    got = [r.token for r in mlx_lm.stream_generate(paged, tok, prompt, max_tokens=6, prefill_step_size=8)]
+    assert got == ref
+
+
 def test_prompt_chunks_read_each_block_once_per_chunk(trained, tmp_path):
     """Prefill is layer-major per chunk: a chunk's tokens pass through a block
     together, so a block is read at most once per chunk, not once per token;

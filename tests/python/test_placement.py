@@ -127,3 +127,30 @@ def test_checkpoints_count_recomputed_blocks_and_batches(first):
     ckpt = sz.checkpoint(4, 128)
     assert p.recomputed == 8 - first
     assert p.activations >= (8 - first + 2) * 2 * ckpt
+
+
+def test_no_tail_starts_between_a_carry_s_producer_and_consumer_and_carries_are_counted():
+    """Carries (carry.py), Gemma 4 E2B-style: blocks 5 and 6 take outputs
+    of blocks 2 and 3. No tail starts at 3..6 (the step would run it as
+    none); the fastest allowed is the whole stack's; the carries made below
+    the tail weigh on the activations, two hidden states each until
+    measured, then as measured. Carries from frozen producers (below the
+    first trained block) constrain no tail."""
+    st, sz = shape(carries=[(2, 5), (3, 6)]), sizes()
+    assert [st.tail_allowed(s) for s in range(9)] == [True] * 3 + [False] * 4 + [True] * 2
+    assert {p.tail_start for p in P.candidates(st, sz)} == {0, 1, 2, 7, 8}
+    assert st.no_recompute == 0
+    # frozen producers' carries enter a tail as constants: any start
+    frozen = shape(first_trained=4, carries=[(2, 5), (3, 6)])
+    assert frozen.no_recompute == 4 and all(frozen.tail_allowed(s) for s in range(4, 9))
+    mixed = shape(first_trained=3, carries=[(2, 5), (3, 6)])  # block 3 trained, block 2 frozen
+    assert [mixed.tail_allowed(s) for s in range(3, 9)] == [True, False, False, False, True, True]
+    plain = shape()
+    ckpt = sz.checkpoint(4, 128)
+    assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 2 * ckpt
+    assert P.evaluate(st, sz, 0, 1).activations == P.evaluate(plain, sz, 0, 1).activations  # in the tail's graph
+    sz.learn({"carried": (2 * 4 * 128 * 100, 4, 128, 2)})  # two carries of 100 bytes a token
+    assert sz.carry(4, 128) == 4 * 128 * 100
+    assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 4 * 128 * 100
+    p = P.choose(st, sz, pool=P.evaluate(st, sz, 7, 1).need)
+    assert p.tail_start not in range(3, 7)

@@ -56,6 +56,22 @@ def test_ahead_only_where_a_prefix_exists_without_dropout():
     assert prefix.ahead_for("auto", _Model(p=0.1), 2, fp, MB) == 1  # its masks would differ
 
 
+def test_no_run_ahead_where_a_block_above_the_prefix_takes_a_carry_from_it(tmp_path):
+    """Gemma 4 E2B-style (carry.py): blocks 2 and 3 take outputs of blocks
+    0 and 1, so no prefix of it can run ahead alone."""
+    from mlx_lm.utils import load_model
+
+    from mlx_pager import architectures as A
+    from mlx_pager import step
+
+    model, _ = load_model(A.build("gemma4_text", "bf16", tmp_path), lazy=True)
+    carries = step.model_carries(model)
+    fp = [100 * MB] * 4
+    assert [prefix.ahead_for("auto", model, first, fp, MB, carries) for first in (1, 2, 3)] == [1, 1, 1]
+    assert prefix.ahead_for(3, model, 1, fp, MB, carries) == 1  # 0 -> 2 crosses 1 as well
+    assert prefix.ahead_for(3, model, 1, fp, MB) == 3  # (without carries)
+
+
 def test_placement_counts_the_waiting_outputs_and_prefers_reading_less():
     sz = P.Sizes(hidden=64, itemsize=4, vocab=1000, block_per_token=4096, block_len=128, head_chunk_bytes=MB)
     st = P.Step(num_blocks=8, first_trained=4, footprints=[10 * MB] * 8, rows=4, length=128, batches=1, ahead=8)

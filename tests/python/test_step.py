@@ -18,7 +18,6 @@ from mlx_pager import architectures as A
 from mlx_pager import segment
 from mlx_pager import step as S
 from mlx_pager._core import IO_ALIGN
-from mlx_pager.layers import NotPageable
 
 LORA = {"rank": 8, "dropout": 0.0, "scale": 20.0}
 
@@ -699,12 +698,69 @@ def test_the_prefix_sweep_reads_a_block_in_parts_as_its_graph_uses_them(models, 
     assert mx.array_equal(single[0], several[0]).item()
 
 
-def test_blocks_returning_more_than_the_hidden_state_are_bitwise_mlx_lm(tmp_path):
+@pytest.mark.parametrize("trained", [4, 3, 2])
+def test_blocks_taking_another_block_s_outputs_are_bitwise_mlx_lm(tmp_path, trained):
+    """Carries (carry.py): Gemma 4 E2B-style, blocks 2 and 3 take the keys
+    and values of blocks 0 and 1. The paged step keeps them from the
+    producer's forward to the consumer's backward and hands the consumers'
+    cotangents back to the producers: the same bits as default_loss over
+    the whole model, compiled or not, at every tail start (one a trained
+    producer's carry crosses runs as none; a frozen producer's carry enters
+    the tail as a constant), the producers trained or frozen; evaluation's
+    forward sweep likewise."""
+    path = A.build("gemma4_text", "bf16", tmp_path / "models")
+    bs = batches(path, 2)
+    ref_losses, total = reference_sums(path, trained, bs)
+    for compile in (True, False):
+        model, w = paged(path, trained, "in_place", tmp_path / str(compile))
+        L = len(model.layers)
+        blocks = S.Blocks(model, compile=compile)
+        for s in range(L - trained, L + 1):
+            mbs = [S.MicroBatch.from_batch(*b) for b in bs]
+            losses, _, grads = S.paged_value_and_grad(model, w, mbs, blocks=blocks, tail_start=s)
+            assert [x.item() for x in losses] == ref_losses, (compile, s)
+            assert_bitwise(total, grads)
+        # keys and values (output 1) and the rope offset (output 2)
+        assert mbs[0].carries.consumers == {(0, 1): [2], (0, 2): [2], (1, 1): [3], (1, 2): [3]}
+        assert not blocks.uncompiled
+        evaluated = S.paged_loss(model, w, [S.MicroBatch.from_batch(*b) for b in bs], blocks=blocks)
+        assert [x.item() for x, _ in evaluated] == ref_losses
+
+
+@pytest.mark.parametrize("how", ["pages in parts", "spilled"])
+def test_carries_with_lazy_pages_and_spilled_checkpoints_are_bitwise_mlx_lm(tmp_path, how):
+    """One micro-batch, each block in 3 pages read lazily inside its
+    forward graph, or every recomputed block's checkpoint spilled to the
+    SSD: the carries are kept beside them and the bits are mlx-lm's."""
+    from mlx_pager.spill import SpillStore
+
+    path = A.build("gemma4_text", "bf16", tmp_path / "models")
+    (batch,) = batches(path, 1)
+    ref_losses, total = reference_sums(path, 4, [batch])
+    model, w = paged(path, 4, "in_place", tmp_path, page_parts=3 if how == "pages in parts" else None)
+    L = len(model.layers)
+    mb = S.MicroBatch.from_batch(*batch)
+    spill = None
+    if how == "spilled":
+        mb.record(model)
+        spill = SpillStore(w, tmp_path / "spill", mb.h0.nbytes)
+    try:
+        losses, _, grads = S.paged_value_and_grad(model, w, [mb], tail_start=L, spill=spill, spilled=L if spill else 0)
+    finally:
+        if spill is not None:
+            spill.close()
+    assert [x.item() for x in losses] == ref_losses
+    assert_bitwise(total, grads)
+
+
+def test_blocks_returning_more_than_the_hidden_state_are_bitwise_mlx_lm(tmp_path, monkeypatch):
     """gemma4's blocks return (h, shared_kv, offset): the stand-ins return
     as many values (the model unpacks them), the paged blocks pass the
     hidden state on, and no block takes the others (no KV shared across
     layers, as Gemma 4 26B and 31B): the same bits as default_loss,
     compiled, and with a no-recompute tail at every start."""
+    dense = {**A._GEMMA4, "num_experts": None, "moe_intermediate_size": None, "enable_moe_block": False}
+    monkeypatch.setitem(A.CONFIGS, "gemma4_text", dense)
     path = A.build("gemma4_text", "bf16", tmp_path / "models")
     bs = batches(path, 2)
     ref_losses, total = reference_sums(path, 3, bs)
@@ -712,26 +768,12 @@ def test_blocks_returning_more_than_the_hidden_state_are_bitwise_mlx_lm(tmp_path
     L = len(model.layers)
     blocks = S.Blocks(model)
     for s in range(L - 3, L + 1):
-        losses, _, grads = S.paged_value_and_grad(
-            model, w, [S.MicroBatch.from_batch(*b) for b in bs], blocks=blocks, tail_start=s
-        )
+        mbs = [S.MicroBatch.from_batch(*b) for b in bs]
+        losses, _, grads = S.paged_value_and_grad(model, w, mbs, blocks=blocks, tail_start=s)
         assert [x.item() for x in losses] == ref_losses, s
         assert_bitwise(total, grads)
-    assert S._outputs(model) == 3
+    assert S._outputs(model) == 3 and not mbs[0].carries
     assert not blocks.uncompiled
-
-
-def test_a_block_taking_another_block_s_output_is_refused_naming_both(tmp_path, monkeypatch):
-    """Gemma 4 E2B's later layers take the keys and values of earlier ones
-    (num_kv_shared_layers): one line names the block, the output and the
-    block it comes from, not a traceback."""
-    e2b = {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2}
-    monkeypatch.setitem(A.CONFIGS, "gemma4_text", {**A.CONFIGS["gemma4_text"], **e2b})
-    path = A.build("gemma4_text", "bf16", tmp_path / "models")
-    model = A.reference(path, 2)
-    with pytest.raises(NotPageable) as e:
-        S.record_calls(model, mx.array([[1, 2, 3, 4]]))
-    assert "block 2 takes output 1 of block 0 besides the hidden state" in str(e.value)
 
 
 class _Three(nn.Module):

@@ -1,0 +1,263 @@
+"""Carries: state a block passes to later blocks besides the hidden state.
+
+Some architectures' blocks return more than the hidden state, and a later
+block takes part of it as an argument:
+
+  gemma4 E2B/E4B  the last layers (``num_kv_shared_layers``) take the keys
+                  and values of the last earlier layer of their kind
+  hunyuan (CLA)   every other layer takes the keys and values of the one
+                  before it (``use_cla``)
+  rwkv7           every layer takes the first layer's value residual, passed
+                  on from block to block
+
+step.record_calls finds these: its stand-ins return placeholders
+(step._Out: output k of block p) for the extra outputs, and a block's
+recorded call holds the placeholder where the model passes that output on.
+A `Carries` is that map. Paging such a model:
+
+  forward   block p also returns the outputs (p, k) some later block takes;
+            they are kept per micro-batch (they are small: keys and values,
+            not weights) and put into the consumers' calls in place of the
+            placeholders (`fill`)
+  backward  a consumer's vector-Jacobian product also differentiates the
+            carried arrays it took; their cotangents add up (consumers in
+            reverse order, as MLX's own autodiff of the whole model adds
+            them) until the producer's turn, whose vjp takes them as the
+            cotangents of its extra outputs. A carry is kept until its last
+            consumer's backward: the recompute needs it.
+  tail      a no-recompute tail (segment.py) resolves carries inside its
+            graph. Carries from below its start enter it as constants where
+            their producer is frozen (below the first trained block: no
+            gradient goes back to it); from a trained producer none may
+            enter it, nor leave the frozen prefix where the prefix runs ahead
+            (prefix.py): placement.py plans around both (`crosses`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+Ref = Tuple[int, int]  # (producing block, output index >= 1)
+
+
+class Out:
+    """Stands in for output `k` (k >= 1) of block `block` where blocks
+    return more than the hidden state (gemma4's ``h, shared_kv, offset``,
+    hunyuan's ``h, shared_kv_states``): recording finds where the model
+    passes it (a block's recorded call holds it there)."""
+
+    def __init__(self, block: int, k: int):
+        self.block, self.k = block, k
+
+    @property
+    def ref(self) -> Ref:
+        return (self.block, self.k)
+
+    def __repr__(self):
+        return f"<output {self.k} of block {self.block}>"
+
+
+def map_leaves(tree, fn: Callable, _at=None):
+    """`tree` (nested lists, tuples and dicts) with each leaf replaced by
+    fn(j, leaf), j the leaf's index in depth-first order; containers keep
+    their types (a model may unpack a tuple it passed)."""
+    at = [0] if _at is None else _at
+    if type(tree) in (list, tuple):
+        return type(tree)(map_leaves(t, fn, at) for t in tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
+        return type(tree)(*(map_leaves(t, fn, at) for t in tree))
+    if type(tree) is dict:  # not a dict subclass such as an nn.Module: a leaf
+        return {k: map_leaves(v, fn, at) for k, v in tree.items()}
+    j = at[0]
+    at[0] += 1
+    return fn(j, tree)
+
+
+def leaves(tree) -> list:
+    out = []
+    map_leaves(tree, lambda j, v: out.append(v))
+    return out
+
+
+def differentiable(v) -> bool:
+    return isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.inexact)
+
+
+def diff_leaves(tree) -> List[mx.array]:
+    """The leaves of `tree` autodiff can differentiate (floating arrays)."""
+    return [v for v in leaves(tree) if differentiable(v)]
+
+
+def with_diff_leaves(tree, new: Sequence[mx.array]):
+    """`tree` with its differentiable leaves replaced by `new`, in order."""
+    it = iter(new)
+    return map_leaves(tree, lambda j, v: next(it) if differentiable(v) else v)
+
+
+def array_leaves(tree) -> List[mx.array]:
+    return [v for v in leaves(tree) if isinstance(v, mx.array)]
+
+
+def with_array_leaves(template, new: Sequence[mx.array]):
+    """`template` (a tree whose array leaves are None placeholders or
+    arrays) with its array leaves put back from `new`, in order: what a
+    compiled function's outputs (arrays only) rebuild into."""
+    it = iter(new)
+    return map_leaves(template, lambda j, v: next(it) if v is _ARRAY else v)
+
+
+_ARRAY = object()  # marks an array leaf in a template
+
+
+def template(tree):
+    """`tree` with its array leaves marked (with_array_leaves fills them)."""
+    return map_leaves(tree, lambda j, v: _ARRAY if isinstance(v, mx.array) else v)
+
+
+class Carries:
+    """Which block outputs later blocks take, from a recording's calls
+    [(args, kwargs)] per block."""
+
+    def __init__(self, calls: Sequence):
+        # block -> [(leaf index in its call, ref)]
+        self.slots: Dict[int, List[Tuple[int, Ref]]] = {}
+        self.consumers: Dict[Ref, List[int]] = {}
+        for i, call in enumerate(calls):
+            found = []
+            map_leaves(call, lambda j, v, found=found: found.append((j, v.ref)) if isinstance(v, Out) else None)
+            if found:
+                self.slots[i] = found
+                for _, ref in found:
+                    self.consumers.setdefault(ref, []).append(i)
+
+    def __bool__(self) -> bool:
+        return bool(self.consumers)
+
+    def keep(self, block: int) -> Tuple[int, ...]:
+        """The outputs of `block` later blocks take (output indices)."""
+        return tuple(sorted(k for (p, k) in self.consumers if p == block))
+
+    def takes(self, block: int) -> Tuple[Ref, ...]:
+        """The carries `block` takes, in its call's order."""
+        return tuple(ref for _, ref in self.slots.get(block, ()))
+
+    def last_use(self, ref: Ref) -> int:
+        return min(self.consumers[ref])  # the backward sweep walks down
+
+    def crosses(self, s: int, lowest: int = 0) -> bool:
+        """Whether a carry goes from below block s to block s or above (from
+        a producer at `lowest` or above)."""
+        return any(lowest <= p < s <= max(c) for (p, _), c in self.consumers.items())
+
+    def entering(self, s: int) -> List[Ref]:
+        """The carries made below block s that blocks from s up take, in a
+        fixed order: a tail starting at s takes them as inputs."""
+        return sorted(r for r, c in self.consumers.items() if r[0] < s <= max(c))
+
+    def pairs(self) -> List[Tuple[int, int]]:
+        """(producer, last consumer) per carry."""
+        return [(p, max(c)) for (p, _), c in self.consumers.items()]
+
+    def fill(self, block: int, call, values: Sequence):
+        """Block `block`'s call with its carries `values` (in `takes`
+        order) in place of their placeholders (or of what stands in for
+        them: `strip`'s None)."""
+        slots = self.slots.get(block)
+        if not slots:
+            return call
+        at = {j: v for (j, _), v in zip(slots, values)}
+        return map_leaves(call, lambda j, v: at[j] if j in at else v)
+
+    def strip(self, block: int, call):
+        """The call with None for its placeholders: what a compiled function
+        can take (fill puts the values back)."""
+        return self.fill(block, call, [None] * len(self.slots.get(block, ())))
+
+
+@dataclass
+class Link:
+    """One call's carries (carry.py) for block `block`: the values it
+    takes, in the order of `carries.takes(block)`, put in its call's
+    placeholders; `keep`: its own outputs later blocks take, returned
+    beside the hidden state."""
+
+    carries: "Carries"
+    block: int
+    values: list
+    keep: Tuple[int, ...] = ()
+
+    def fill(self, call, values=None):
+        return self.carries.fill(self.block, call, self.values if values is None else values)
+
+
+def link(carries: "Carries", i: int, extras: dict, pending: Optional[dict] = None) -> Optional[Link]:
+    """Block i's Link for one micro-batch (None: it neither takes nor keeps
+    carries): the values it takes from `extras`; the outputs it keeps, or
+    in the backward sweep (`pending`), those whose cotangents are pending."""
+    if not carries:
+        return None
+    takes, keep = carries.takes(i), carries.keep(i)
+    if pending is not None:
+        keep = tuple(k for k in keep if (i, k) in pending)
+    if not takes and not keep:
+        return None
+    return Link(carries, i, [extras[r] for r in takes], keep)
+
+
+def kept(out, link: Optional[Link], extras: dict):
+    """The hidden state of a forward's result, its kept outputs put in
+    `extras`."""
+    if link is None or not link.keep:
+        return out
+    h, kept = out
+    for k, v in zip(link.keep, kept):
+        extras[(link.block, k)] = v
+    return h
+
+
+def kept_arrays(link: Optional[Link], extras: dict) -> list:
+    """The arrays of the outputs a block kept (evaluated with its hidden
+    state, so that no graph on its pages outlives the block)."""
+    if link is None:
+        return []
+    return [array_leaves(extras[(link.block, k)]) for k in link.keep]
+
+
+def add_cotangents(carries: "Carries", i: int, extras: dict, g_c: list, pending: dict, first: int) -> None:
+    """Adds block i's cotangents of the carries it took (g_c, in
+    diff_leaves order) to their producers' pending ones; none for a
+    producer below the first trained block (no backward reaches it)."""
+    at = 0
+    for ref in carries.takes(i):
+        n = len(diff_leaves(extras[ref]))
+        part, at = g_c[at : at + n], at + n
+        if ref[0] < first:
+            continue
+        old = pending.get(ref)
+        pending[ref] = part if old is None else [a + b for a, b in zip(old, part)]
+
+
+def forget(carries: "Carries", extras: List[dict], upto: Optional[int] = None, down_to: Optional[int] = None) -> None:
+    """Drops the kept carries no block needs any more: those whose consumers
+    all ran forward, up to block `upto`, or backward, down to `down_to`."""
+    if not carries:
+        return
+    for ref, consumers in carries.consumers.items():
+        if (upto is not None and max(consumers) <= upto) or (down_to is not None and min(consumers) >= down_to):
+            for ex in extras:
+                ex.pop(ref, None)
+
+
+def unique_bytes(trees) -> int:
+    """Bytes of the distinct arrays among the leaves of `trees`."""
+    seen = {}
+    for v in array_leaves(trees):
+        seen[id(v)] = v.nbytes
+    return sum(seen.values())
+
+
+def strip_all(carries: "Carries", calls: Sequence) -> list:
+    return [carries.strip(i, c) for i, c in enumerate(calls)]
