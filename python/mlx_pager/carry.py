@@ -29,8 +29,10 @@ A `Carries` is that map. Paging such a model:
             graph. Carries from below its start enter it as constants where
             their producer is frozen (below the first trained block: no
             gradient goes back to it); from a trained producer none may
-            enter it, nor leave the frozen prefix where the prefix runs ahead
-            (prefix.py): placement.py plans around both (`crosses`).
+            enter it: placement.py plans around it (`crosses`).
+  prefix    a frozen prefix run ahead (prefix.py) leaves each micro-batch
+            the carries blocks above it take (MicroBatch.carried), beside
+            its hidden state.
 """
 
 from __future__ import annotations

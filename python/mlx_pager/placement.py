@@ -266,14 +266,23 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     carried = step.batches * sum(1 for p, _ in step.carries if p < s) * sizes.carry(step.rows, length)
     activations = checkpoints + held + max(work) + carried
     ahead = max(1, ahead) if first > 0 else 1
-    waiting = (ahead - 1) * batch_ckpt
+    waiting = (ahead - 1) * prefix_outputs(step, sizes, step.rows)
     if ahead > 1:
         # The prefix's outputs for the steps to come wait beside this
         # step; the sweep itself holds every batch's input and output, and
         # one forward block's working set (a micro-batch at a time).
-        sweep = 2 * ahead * batch_ckpt + sizes.forward(rows, length)
+        sweep = 2 * ahead * prefix_outputs(step, sizes, step.rows) + sizes.forward(rows, length)
         activations = max(activations + waiting, sweep)
     return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting)
+
+
+def prefix_outputs(step: Step, sizes: Sizes, rows: int) -> int:
+    """One step's outputs of the frozen prefix (prefix.py): each batch's
+    hidden state, and the carries that blocks above the prefix take from
+    blocks in it."""
+    first, length = step.first_trained, step.length
+    entering = sum(1 for p, c in step.carries if p < first <= c)
+    return step.batches * (sizes.checkpoint(rows, length) + entering * sizes.carry(rows, length))
 
 
 # Spill slots are whole direct-I/O blocks (the core's IO_ALIGN; this module

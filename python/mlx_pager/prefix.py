@@ -64,15 +64,12 @@ def prefix_dropout(model: nn.Module, first: int) -> bool:
     )
 
 
-def ahead_for(arg, model: nn.Module, first: int, footprints: Sequence[int], batch_bytes: int, carries=None) -> int:
+def ahead_for(arg, model: nn.Module, first: int, footprints: Sequence[int], batch_bytes: int) -> int:
     """The window for --prefix-ahead `arg`: a whole number of steps (1: off)
     or 'auto' (choose_ahead); 1 wherever running ahead cannot apply (see
-    the module's docstring), and where a block above the prefix takes
-    outputs of one in it (`carries`, a carry.Carries: the prefix's outputs
-    would have to include them)."""
+    the module's docstring). `batch_bytes`: what one step's outputs take
+    (hidden states, and the carries blocks above the prefix take from it)."""
     if first <= 0 or first >= len(model.layers) or prefix_dropout(model, first):
-        return 1
-    if carries is not None and carries.crosses(first):
         return 1
     if arg is None or arg == "auto":
         return choose_ahead(sum(footprints[:first]), batch_bytes)

@@ -664,16 +664,18 @@ def open_session(
         carries=carries.pairs(),
     )
     sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes, _largest_weight_elems(weights))
+    measured = step.carried_sizes(model) if carries else None
+    if measured is not None:
+        sizes.learn({"carried": measured})  # from the graph's shapes, before any step
     if training:
         # The frozen prefix's outputs for the steps to come (prefix.py):
-        # one hidden state per batch.
+        # one hidden state per batch, and the carries above it take.
         shape.ahead = prefix.ahead_for(
             getattr(args, "prefix_ahead", "auto"),
             model,
             first,
             shape.footprints,
-            shape.batches * sizes.checkpoint(args.batch_size, seq_len),
-            carries,
+            placement.prefix_outputs(shape, sizes, args.batch_size),
         )
     plan = MemoryPlan(
         budget=plan_budget,

@@ -192,6 +192,9 @@ class MicroBatch:
     calls: list = field(default_factory=list)  # (args, kwargs) per block
     carries: Carries = None  # what blocks pass each other besides h (carry.py)
     norm: mx.array = None  # the whole batch's token count (ntoks when unsplit)
+    # The carries a frozen prefix's sweep left for the blocks above it
+    # (prefix_forward; carry.py), as {ref: value}.
+    carried: dict = field(default_factory=dict)
     # Where a batch was split to fit: its rows, and this part's first row
     # (dropout.py draws the batch's masks and takes the part's rows).
     batch_rows: Optional[int] = None
@@ -338,6 +341,26 @@ def model_carries(model: nn.Module) -> Carries:
     (carry.py), from a recording on two tokens (nothing is computed)."""
     _, calls = record_calls(model, mx.zeros((1, 2), dtype=mx.int32))
     return Carries(calls)
+
+
+def carried_sizes(model: nn.Module, length: int = 8) -> Optional[tuple]:
+    """(bytes, rows, length, count): the carries (carry.py) of one sequence
+    of `length` tokens, all `count` of them together, as a step's probe
+    reports them (placement.Sizes.learn); None for a model without any.
+    From the shapes of the model's forward graph, built and never
+    evaluated: the frozen weights may be the store's placeholders. Active
+    dropout draws from keys of its own (MLX's global key sequence, whose
+    next keys are mlx-lm's masks, is left alone)."""
+    mb = MicroBatch.from_batch(mx.zeros((1, length + 1), dtype=mx.int32), mx.array([[0, length]], dtype=mx.int32))
+    mb.record(model)
+    if not mb.carries:
+        return None
+    extras, h = {}, mb.h0
+    for i, layer in enumerate(model.layers):
+        link = carry.link(mb.carries, i, extras)
+        with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
+            h = carry.kept(run_linked(layer, h, mb.calls[i], link), link, extras)
+    return carry.unique_bytes(list(extras.values())), 1, length, len(extras)
 
 
 def run_block(layer: nn.Module, h: mx.array, call, keep: Tuple[int, ...] = ()):
@@ -806,11 +829,10 @@ def paged_value_and_grad(
     carries = micro_batches[0].carries
     if carries and carries.crosses(s_tail, first):
         s_tail = L  # (the planner never picks such a tail: placement.Step.carries)
-    if start is not None and carries.crosses(first):
-        raise ValueError("the frozen prefix cannot run ahead where a block above it takes a block's outputs from it")
     # Per micro-batch: the outputs later blocks take (carry.py), kept from
-    # their producer's forward to their last consumer's backward.
-    extras: List[Dict[carry.Ref, object]] = [{} for _ in micro_batches]
+    # their producer's forward to their last consumer's backward; where the
+    # prefix ran ahead, those it left for the blocks above it.
+    extras: List[Dict[carry.Ref, object]] = [dict(mb.carried) if start is not None else {} for mb in micro_batches]
 
     # Forward, layer-major, up to the tail. Active dropout draws from
     # per-(block, micro-batch) keys, mlx-lm's (dropout.plan), so that the
@@ -1074,6 +1096,8 @@ def _forward_sweep(model, weights, micro_batches, upto: int, on_block, phase: st
         carry.forget(carries, extras, upto=i)
         if on_block is not None:
             on_block(phase, i)
+    for mb, ex in zip(micro_batches, extras):
+        mb.carried = ex  # what blocks from `upto` up take from those below (prefix_forward's step)
     return hs
 
 

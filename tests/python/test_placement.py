@@ -154,3 +154,7 @@ def test_no_tail_starts_between_a_carry_s_producer_and_consumer_and_carries_are_
     assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 4 * 128 * 100
     p = P.choose(st, sz, pool=P.evaluate(st, sz, 7, 1).need)
     assert p.tail_start not in range(3, 7)
+    # a prefix running ahead keeps each batch's carries into the blocks above it
+    ahead = shape(first_trained=4, carries=[(2, 5), (3, 6), (0, 1)], ahead=3)
+    assert P.prefix_outputs(ahead, sz, 4) == sz.checkpoint(4, 128) + 2 * sz.carry(4, 128)
+    assert P.evaluate(ahead, sz, 8, 1, ahead=3).waiting == 2 * P.prefix_outputs(ahead, sz, 4)
