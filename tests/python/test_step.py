@@ -15,7 +15,7 @@ from mlx_lm.tuner.datasets import CacheDataset, load_dataset
 from mlx_lm.tuner.trainer import default_loss, iterate_batches
 
 from mlx_pager import architectures as A
-from mlx_pager import segment
+from mlx_pager import carry, segment
 from mlx_pager import step as S
 from mlx_pager._core import IO_ALIGN
 
@@ -811,3 +811,59 @@ def test_recording_tries_each_output_count_from_the_caches_as_they_were(tmp_path
     h0, calls = S.record_calls(model, mx.ones((1, 5)), per_block_state=True, cache=cache)
     assert S._outputs(model) == 3 and cache[0].seen == [5]
     assert mx.array_equal(S.run_block(model.layers[0], h0, calls[0]), h0 * 2).item()  # a list's first value
+
+
+class _SharesTwice(nn.Module):
+    """Block 0 returns its projection twice as one carry, (k, k) (K = V
+    with no norms); block 1 takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def __call__(self, h, shared=None):
+        if shared is None:
+            k = self.proj(h)
+            return h * 2 + k, (k, k)
+        a, b = shared
+        return h + a * b + self.proj(h), shared
+
+
+class _TwoShare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = [_SharesTwice(), _SharesTwice()]
+
+    def __call__(self, x):
+        h, kv = self.layers[0](x)
+        h, _ = self.layers[1](h, kv)
+        return h
+
+
+def test_a_carry_holding_one_array_twice_gets_both_cotangents():
+    """MLX's vjp takes one cotangent per distinct output array: returned
+    twice, an array gets the first alone. The producer's vjp makes a
+    repeated carry leaf distinct, so both consumers' uses reach the
+    producer's weights: the gradient of the whole model's."""
+    mx.random.seed(0)
+    model = _TwoShare()
+    x = mx.random.normal((2, 3, 4))
+    cot = mx.random.normal((2, 3, 4))
+    S._OUTPUTS.pop(type(model), None)
+    h0, calls = S.record_calls(model, x)
+    carries = S.Carries(calls)
+    assert carries.consumers == {(0, 1): [1]}
+    p0, p1 = model.layers
+    h1, (kv,) = S.run_block(p0, h0, calls[0], (1,))
+    assert kv[0] is kv[1]
+    g_h1, g1, g_c = S.block_vjp(p1, h1, calls[1], cot, carry.Link(carries, 1, [kv]))
+    assert len(g_c) == 2
+    _, g0, _ = S.block_vjp(p0, h0, calls[0], g_h1, carry.Link(carries, 0, [], (1,)), g_c)
+
+    def whole(params):
+        model.update(params)
+        return (model(x) * cot).sum()
+
+    ref = dict(tree_flatten(mx.grad(whole)(model.trainable_parameters())))
+    for name, g in g0.items():
+        assert mx.allclose(ref[f"layers.0.{name}"], g, atol=1e-5).item(), name
