@@ -343,23 +343,32 @@ def model_carries(model: nn.Module) -> Carries:
     return Carries(calls)
 
 
+def _shaped_carries(model: nn.Module, mb: "MicroBatch", upto: int) -> dict:
+    """The carries blocks 0..upto-1 make for micro-batch `mb` ({ref:
+    value}), from the model's forward graph built and never evaluated:
+    their shapes and dtypes, whatever the frozen weights are (the store's
+    placeholders, unread). Active dropout draws from keys of its own (MLX's
+    global key sequence, whose next keys are mlx-lm's masks, is left
+    alone)."""
+    extras, h = {}, mb.h0
+    for i in range(upto):
+        layer = model.layers[i]
+        link = carry.link(mb.carries, i, extras)
+        with keyed_dropout(layer, dropout.fixed(layer)):
+            h = carry.kept(run_linked(layer, h, mb.calls[i], link), link, extras)
+    return extras
+
+
 def carried_sizes(model: nn.Module, length: int = 8) -> Optional[tuple]:
     """(bytes, rows, length, count): the carries (carry.py) of one sequence
     of `length` tokens, all `count` of them together, as a step's probe
     reports them (placement.Sizes.learn); None for a model without any.
-    From the shapes of the model's forward graph, built and never
-    evaluated: the frozen weights may be the store's placeholders. Active
-    dropout draws from keys of its own (MLX's global key sequence, whose
-    next keys are mlx-lm's masks, is left alone)."""
+    From the shapes of the model's forward graph (_shaped_carries)."""
     mb = MicroBatch.from_batch(mx.zeros((1, length + 1), dtype=mx.int32), mx.array([[0, length]], dtype=mx.int32))
     mb.record(model)
     if not mb.carries:
         return None
-    extras, h = {}, mb.h0
-    for i, layer in enumerate(model.layers):
-        link = carry.link(mb.carries, i, extras)
-        with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
-            h = carry.kept(run_linked(layer, h, mb.calls[i], link), link, extras)
+    extras = _shaped_carries(model, mb, len(model.layers))
     return carry.unique_bytes(list(extras.values())), 1, length, len(extras)
 
 
@@ -676,17 +685,21 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
     product on a micro-batch of `rows` x `length` tokens (over the memory
     active before it): what the placement planner needs before the first
     step, measured rather than guessed. The block's page is read for it.
-    A block that takes carries (carry.py) cannot run alone: the first one
-    above it that takes none is measured instead (blocks of a stack are
-    alike), and where there is none, ValueError."""
+    A block that takes carries (carry.py) takes zeros of their shapes
+    (_shaped_carries: the blocks below it are not read)."""
     batch = mx.zeros((rows, length + 1), dtype=mx.int32)
     lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
     mb = MicroBatch.from_batch(batch, lengths)
     mb.record(model)
-    free = [i for i in range(block, len(model.layers)) if not mb.carries.takes(i)]
-    if not free:
-        raise ValueError(f"every block from {block} up takes another block's outputs: none to measure alone")
-    block = free[0]
+    link = None
+    if mb.carries.takes(block):
+        shaped = _shaped_carries(model, mb, block)
+        zeros = [
+            carry.map_leaves(shaped[r], lambda j, v: mx.zeros(v.shape, v.dtype) if isinstance(v, mx.array) else v)
+            for r in mb.carries.takes(block)
+        ]
+        link = carry.Link(mb.carries, block, zeros)
+        mx.eval(zeros)
     h = mb.h0
     with weights.bound(block):
         mx.eval(h)
@@ -694,10 +707,10 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
         mx.reset_peak_memory()
         layer = model.layers[block]
         with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
-            g_h, g_p, _ = block_vjp(layer, h, mb.calls[block], mx.ones_like(h))
-            mx.eval(g_h, g_p)
+            g_h, g_p, g_c = block_vjp(layer, h, mb.calls[block], mx.ones_like(h), link)
+            mx.eval(g_h, g_p, g_c)
         used = max(0, mx.get_peak_memory() - base)
-        del g_h, g_p
+        del g_h, g_p, g_c
     mx.reset_peak_memory()
     return used
 

@@ -867,3 +867,27 @@ def test_a_carry_holding_one_array_twice_gets_both_cotangents():
     ref = dict(tree_flatten(mx.grad(whole)(model.trainable_parameters())))
     for name, g in g0.items():
         assert mx.allclose(ref[f"layers.0.{name}"], g, atol=1e-5).item(), name
+
+
+def test_a_block_taking_carries_is_measured_with_zeros_of_their_shapes(tmp_path):
+    """Gemma 4 E2B with LoRA on its last layers: every trained block takes
+    keys and values from a frozen one. The planner's probe measures the
+    first trained block itself, given zeros of the carries' shapes (from
+    the forward graph on the placeholders: nothing below it is read); it
+    had refused to measure, and the plan fell back to its formula."""
+    import numpy as np
+
+    from mlx_pager.session import _largest_weight_elems
+
+    path = A.build("gemma4_text", "bf16", tmp_path / "models")
+    model, w = paged(path, 2, "in_place", tmp_path)
+    first = S.first_trained_block(model)
+    assert S.model_carries(model).takes(first)
+    before = w.pager.stats()["bytes_read"]
+    assert S.probe_block(model, w, first, 1, 16) > 0
+    assert w.pager.stats()["bytes_read"] - before <= w.page_read_bytes(w.block_pages[first][0])
+    # the dequantized copy a block may hold is of a block weight, not of the
+    # embeddings (resident), the largest weight of most models
+    blocks = [int(np.prod(s.placeholder.shape)) for pid, slots in enumerate(w.slots) if pid != w.resident_id for s in slots]
+    resident = [int(np.prod(s.placeholder.shape)) for s in w.slots[w.resident_id]]
+    assert max(resident) > max(blocks) == _largest_weight_elems(w)
