@@ -888,6 +888,8 @@ def test_a_block_taking_carries_is_measured_with_zeros_of_their_shapes(tmp_path)
     assert w.pager.stats()["bytes_read"] - before <= w.page_read_bytes(w.block_pages[first][0])
     # the dequantized copy a block may hold is of a block weight, not of the
     # embeddings (resident), the largest weight of most models
-    blocks = [int(np.prod(s.placeholder.shape)) for pid, slots in enumerate(w.slots) if pid != w.resident_id for s in slots]
+    blocks = [
+        int(np.prod(s.placeholder.shape)) for pid, slots in enumerate(w.slots) if pid != w.resident_id for s in slots
+    ]
     resident = [int(np.prod(s.placeholder.shape)) for s in w.slots[w.resident_id]]
     assert max(resident) > max(blocks) == _largest_weight_elems(w)
