@@ -20,16 +20,18 @@ A `Carries` is that map. Paging such a model:
             not weights) and put into the consumers' calls in place of the
             placeholders (`fill`)
   backward  a consumer's vector-Jacobian product also differentiates the
-            carried arrays it took; their cotangents add up (consumers in
-            reverse order, as MLX's own autodiff of the whole model adds
-            them) until the producer's turn, whose vjp takes them as the
-            cotangents of its extra outputs. A carry is kept until its last
-            consumer's backward: the recompute needs it.
+            carried arrays it took from a trained producer, seeded with the
+            cotangent the consumers above it left (it returns them as
+            themselves), so MLX adds its uses to that sum in the order its
+            autodiff of the whole model does; the producer's vjp takes the
+            sum as the cotangent of its extra output. A carry is kept until
+            its last consumer's backward (the recompute needs it), or, where
+            only frozen blocks take it, their forward.
   tail      a no-recompute tail (segment.py) resolves carries inside its
             graph. Carries from below its start enter it as constants where
             their producer is frozen (below the first trained block: no
             gradient goes back to it); from a trained producer none may
-            enter it: placement.py plans around it (`crosses`).
+            enter it: placement.Step.tail_allowed plans around it.
   prefix    a frozen prefix run ahead (prefix.py) leaves each micro-batch
             the carries blocks above it take (MicroBatch.carried), beside
             its hidden state.
@@ -103,20 +105,39 @@ def array_leaves(tree) -> List[mx.array]:
     return [v for v in leaves(tree) if isinstance(v, mx.array)]
 
 
-def with_array_leaves(template, new: Sequence[mx.array]):
-    """`template` (a tree whose array leaves are None placeholders or
-    arrays) with its array leaves put back from `new`, in order: what a
-    compiled function's outputs (arrays only) rebuild into."""
+class _Input:
+    """Marks an array leaf of a template that is input `j` passed through."""
+
+    def __init__(self, j: int):
+        self.j = j
+
+
+_ARRAY = object()  # marks an array leaf of a template that is a new output
+
+
+def template(tree, inputs: Sequence[mx.array] = ()):
+    """`tree` with its array leaves marked: those that are one of `inputs`
+    (passed through unchanged, as rwkv7's value residual is), and the new
+    ones, which a compiled function returns (`new_arrays`)."""
+    at = {id(v): j for j, v in enumerate(inputs)}
+    return map_leaves(
+        tree, lambda j, v: (_Input(at[id(v)]) if id(v) in at else _ARRAY) if isinstance(v, mx.array) else v
+    )
+
+
+def new_arrays(tree, inputs: Sequence[mx.array] = ()) -> List[mx.array]:
+    """The array leaves of `tree` that are not among `inputs`."""
+    ids = {id(v) for v in inputs}
+    return [v for v in array_leaves(tree) if id(v) not in ids]
+
+
+def with_array_leaves(template, new: Sequence[mx.array], inputs: Sequence[mx.array] = ()):
+    """`template` with its array leaves put back: the new ones from `new`,
+    in order (a compiled function's outputs, arrays only), the passed-through
+    ones from `inputs` (the same arrays, not a compiled function's copies
+    of them: the same memory would be counted once per copy)."""
     it = iter(new)
-    return map_leaves(template, lambda j, v: next(it) if v is _ARRAY else v)
-
-
-_ARRAY = object()  # marks an array leaf in a template
-
-
-def template(tree):
-    """`tree` with its array leaves marked (with_array_leaves fills them)."""
-    return map_leaves(tree, lambda j, v: _ARRAY if isinstance(v, mx.array) else v)
+    return map_leaves(template, lambda j, v: next(it) if v is _ARRAY else inputs[v.j] if isinstance(v, _Input) else v)
 
 
 class Carries:
@@ -145,9 +166,6 @@ class Carries:
     def takes(self, block: int) -> Tuple[Ref, ...]:
         """The carries `block` takes, in its call's order."""
         return tuple(ref for _, ref in self.slots.get(block, ()))
-
-    def last_use(self, ref: Ref) -> int:
-        return min(self.consumers[ref])  # the backward sweep walks down
 
     def crosses(self, s: int, lowest: int = 0) -> bool:
         """Whether a carry goes from below block s to block s or above (from
@@ -190,15 +208,27 @@ class Link:
     block: int
     values: list
     keep: Tuple[int, ...] = ()
+    # Backward: per value taken, whether its cotangent is wanted (its
+    # producer is trained; None: all are), and the cotangent its later
+    # consumers left for it (None: none yet). A seeded value is returned by
+    # the vjp as itself, so that MLX adds this block's uses to what is
+    # pending in its own order, as its autodiff of the whole model does.
+    learn: Optional[Tuple[bool, ...]] = None
+    seeds: Optional[list] = None
 
     def fill(self, call, values=None):
         return self.carries.fill(self.block, call, self.values if values is None else values)
 
+    def learns(self) -> Tuple[bool, ...]:
+        return self.learn if self.learn is not None else (True,) * len(self.values)
 
-def link(carries: "Carries", i: int, extras: dict, pending: Optional[dict] = None) -> Optional[Link]:
+
+def link(carries: "Carries", i: int, extras: dict, pending: Optional[dict] = None, first: int = 0) -> Optional[Link]:
     """Block i's Link for one micro-batch (None: it neither takes nor keeps
     carries): the values it takes from `extras`; the outputs it keeps, or
-    in the backward sweep (`pending`), those whose cotangents are pending."""
+    in the backward sweep (`pending`), those whose cotangents are pending,
+    and which values it differentiates (producers from block `first` up)
+    and seeds (pending ones; a value taken twice, its first place)."""
     if not carries:
         return None
     takes, keep = carries.takes(i), carries.keep(i)
@@ -206,7 +236,12 @@ def link(carries: "Carries", i: int, extras: dict, pending: Optional[dict] = Non
         keep = tuple(k for k in keep if (i, k) in pending)
     if not takes and not keep:
         return None
-    return Link(carries, i, [extras[r] for r in takes], keep)
+    values = [extras[r] for r in takes]
+    if pending is None:
+        return Link(carries, i, values, keep)
+    learn = tuple(r[0] >= first for r in takes)
+    seeds = [pending.get(r) if l and r not in takes[:k] else None for k, (r, l) in enumerate(zip(takes, learn))]
+    return Link(carries, i, values, keep, learn, seeds)
 
 
 def kept(out, link: Optional[Link], extras: dict):
@@ -214,8 +249,8 @@ def kept(out, link: Optional[Link], extras: dict):
     `extras`."""
     if link is None or not link.keep:
         return out
-    h, kept = out
-    for k, v in zip(link.keep, kept):
+    h, outputs = out
+    for k, v in zip(link.keep, outputs):
         extras[(link.block, k)] = v
     return h
 
@@ -228,18 +263,19 @@ def kept_arrays(link: Optional[Link], extras: dict) -> list:
     return [array_leaves(extras[(link.block, k)]) for k in link.keep]
 
 
-def add_cotangents(carries: "Carries", i: int, extras: dict, g_c: list, pending: dict, first: int) -> None:
-    """Adds block i's cotangents of the carries it took (g_c, in
-    diff_leaves order) to their producers' pending ones; none for a
-    producer below the first trained block (no backward reaches it)."""
+def add_cotangents(lk: Link, g_c: list, pending: dict) -> None:
+    """Block lk.block's cotangents of the carries it took and learns (g_c,
+    in diff_leaves order) into their producers' pending ones: a seeded one
+    already holds what was pending (it replaces it), another adds to it."""
     at = 0
-    for ref in carries.takes(i):
-        n = len(diff_leaves(extras[ref]))
+    for k, (ref, value, learn) in enumerate(zip(lk.carries.takes(lk.block), lk.values, lk.learns())):
+        if not learn:
+            continue  # a frozen producer's: no backward reaches it
+        n = len(diff_leaves(value))
         part, at = g_c[at : at + n], at + n
-        if ref[0] < first:
-            continue
         old = pending.get(ref)
-        pending[ref] = part if old is None else [a + b for a, b in zip(old, part)]
+        seeded = lk.seeds is not None and lk.seeds[k] is not None
+        pending[ref] = part if seeded or old is None else [a + b for a, b in zip(old, part)]
 
 
 def forget(carries: "Carries", extras: List[dict], upto: Optional[int] = None, down_to: Optional[int] = None) -> None:

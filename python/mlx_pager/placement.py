@@ -217,12 +217,6 @@ class Step:
         enters the tail as a constant)."""
         return not any(self.first_trained <= p < s <= c for p, c in self.carries)
 
-    @property
-    def no_recompute(self) -> int:
-        """The lowest tail start allowed (first_trained where no carry
-        crosses it): the fastest placement's."""
-        return next(s for s in range(self.first_trained, self.num_blocks + 1) if self.tail_allowed(s))
-
     def micro_batches(self, parts: int) -> int:
         """Micro-batches per step when each batch is split into `parts`."""
         size = -(-self.rows // parts)

@@ -59,7 +59,7 @@ def tail_value_and_grad(
     block below `start` is trained, dL/dh[start] is not computed (None):
     nothing needs it, and mlx-lm does not compute it either. `entering`
     ({ref: value}): the carries made below `start` that the tail's blocks
-    take (carry.py), from frozen blocks: constants of the graph."""
+    take (carry.py), from frozen blocks: not differentiated."""
     L = len(model.layers)
     carries = mb.carries
     layers = [model.layers[i] for i in range(start, L)]
@@ -148,7 +148,7 @@ class Tail:
         """`extras`: the carries kept below `start` (carry.py), of which the
         tail takes those entering it."""
         refs = mb.carries.entering(start) if mb.carries else []
-        entering = {r: extras[r] for r in refs}
+        entering = {r: (extras or {})[r] for r in refs}
         dropout = any(k is not None for k in keys[start:])
         if not self.compile or self.uncompiled is not None or dropout:
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)

@@ -381,7 +381,7 @@ class Session:
         if self.page_cap is None:
             return
         acts = placement.evaluate(
-            self.shape, self.sizes, self.shape.no_recompute, 1, ahead=self.shape.ahead
+            self.shape, self.sizes, self.shape.first_trained, 1, ahead=self.shape.ahead
         ).activations
         budget = self.plan.fixed_without_activations + acts + self.page_cap
         if budget > self.plan.budget:
@@ -748,7 +748,7 @@ def open_session(
         fastest = (
             ceiling
             if ceiling is not None
-            else placement.evaluate(shape, sizes, shape.no_recompute, 1, ahead=shape.ahead)
+            else placement.evaluate(shape, sizes, shape.first_trained, 1, ahead=shape.ahead)
         )
         plan.activations = fastest.activations
         plan.budget = plan.fixed + page_cap

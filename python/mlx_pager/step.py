@@ -345,9 +345,9 @@ def model_carries(model: nn.Module) -> Carries:
 
 def _shaped_carries(model: nn.Module, mb: "MicroBatch", upto: int) -> dict:
     """The carries blocks 0..upto-1 make for micro-batch `mb` ({ref:
-    value}), from the model's forward graph built and never evaluated:
+    value}), from the blocks' forward graph, built and never evaluated:
     their shapes and dtypes, whatever the frozen weights are (the store's
-    placeholders, unread). Active dropout draws from keys of its own (MLX's
+    placeholders, unread; recording `mb` evaluated its embedding). Active dropout draws from keys of its own (MLX's
     global key sequence, whose next keys are mlx-lm's masks, is left
     alone)."""
     extras, h = {}, mb.h0
@@ -363,7 +363,7 @@ def carried_sizes(model: nn.Module, length: int = 8) -> Optional[tuple]:
     """(bytes, rows, length, count): the carries (carry.py) of one sequence
     of `length` tokens, all `count` of them together, as a step's probe
     reports them (placement.Sizes.learn); None for a model without any.
-    From the shapes of the model's forward graph (_shaped_carries)."""
+    From the shapes of the blocks' forward graph (_shaped_carries)."""
     mb = MicroBatch.from_batch(mx.zeros((1, length + 1), dtype=mx.int32), mx.array([[0, length]], dtype=mx.int32))
     mb.record(model)
     if not mb.carries:
@@ -526,25 +526,38 @@ def block_vjp(
 ):
     """Recomputes the block at h and returns (dL/dh, {adapter name:
     dL/dparam}, dL/dcarried) for the cotangent dL/d(block output). With a
-    `link`: the block takes its carries' values (dL/dcarried: the
-    cotangents of their differentiable leaves, carry.diff_leaves order) and
-    `extra_cots` are the cotangents of the differentiable leaves of its
-    kept outputs (link.keep)."""
+    `link`: the block takes its carries' values; dL/dcarried are the
+    cotangents of the differentiable leaves (carry.diff_leaves order) of
+    those it learns (link.learns()), a seeded one's (link.seeds) including
+    what was pending for it; `extra_cots` are the cotangents of the
+    differentiable leaves of its kept outputs (link.keep)."""
     names = _trainable_names(layer)
     params = [v for _, v in tree_flatten(layer.trainable_parameters())]
     values = link.values if link is not None else []
     keep = link.keep if link is not None else ()
-    cin = carry.diff_leaves(values)
+    learn = link.learns() if link is not None else ()
+    seeds = link.seeds if link is not None and link.seeds is not None else [None] * len(values)
+    groups = [carry.diff_leaves(v) if wanted else [] for v, wanted in zip(values, learn)]
+    cin = [x for g in groups for x in g]
     n = len(cin)
+    seed_cots = [c for seed in seeds if seed is not None for c in seed]
 
     def f(x, *rest):
         layer.update(tree_unflatten(list(zip(names, rest[n:]))))
-        c = link.fill(call, carry.with_diff_leaves(values, rest[:n])) if values else call
+        vals, seeded, at = [], [], 0
+        for v, g, seed in zip(values, groups, seeds):
+            tracers, at = list(rest[at : at + len(g)]), at + len(g)
+            vals.append(carry.with_diff_leaves(v, tracers) if g else v)
+            if seed is not None:
+                seeded.extend(tracers)
+        c = link.fill(call, vals) if values else call
         if not keep:
-            return [run_block(layer, x, c)]
-        out, extras = run_block(layer, x, c, keep)
+            out, more = run_block(layer, x, c), []
+        else:
+            out, extras = run_block(layer, x, c, keep)
+            more = carry.diff_leaves(extras)
         outs, seen = [out], {id(out)}
-        for v in carry.diff_leaves(extras):
+        for v in [*more, *seeded]:
             if id(v) in seen:
                 v = v + 0  # MLX's vjp takes one cotangent per distinct output array
             seen.add(id(v))
@@ -552,7 +565,7 @@ def block_vjp(
         return outs
 
     try:
-        _, grads = mx.vjp(f, [h, *cin, *params], [cotangent, *extra_cots])
+        _, grads = mx.vjp(f, [h, *cin, *params], [cotangent, *extra_cots, *seed_cots])
     finally:
         layer.update(tree_unflatten(list(zip(names, params))))  # drop tracers
     return grads[0], dict(zip(names, grads[1 + n :])), list(grads[1 : 1 + n])
@@ -625,15 +638,19 @@ class Blocks:
                 return run_linked(layer, h, call, link)
         if i not in self._fwd:
             shapes = self._extras
+            carries = link.carries if link is not None else None  # (not the link: its values are this call's)
 
             def fwd(h, params, values, args, kwargs):
                 layer.update(params)
-                c = link.fill((args, kwargs), values) if link is not None else (args, kwargs)
+                c = carries.fill(i, (args, kwargs), values) if carries is not None else (args, kwargs)
                 if not keep:
                     return run_block(layer, h, c)
                 out, extras = run_block(layer, h, c, keep)
-                shapes[i] = carry.template(extras)  # a compiled function returns arrays only
-                return [out, *carry.array_leaves(extras)]
+                # A compiled function returns arrays only, and a copy of an
+                # input it passes through: the template keeps both apart.
+                inputs = carry.array_leaves(values)
+                shapes[i] = carry.template(extras, inputs)
+                return [out, *carry.new_arrays(extras, inputs)]
 
             self._fwd[i] = mx.compile(fwd)
         params = layer.parameters()
@@ -647,7 +664,7 @@ class Blocks:
             return run_linked(layer, h, call, link)
         if not keep:
             return out
-        return out[0], carry.with_array_leaves(self._extras[i], out[1:])
+        return out[0], carry.with_array_leaves(self._extras[i], out[1:], carry.array_leaves(values))
 
     def vjp(
         self, i: int, h: mx.array, call, cotangent: mx.array, key=None, link: Optional[carry.Link] = None, extra_cots=()
@@ -659,19 +676,24 @@ class Blocks:
                 return block_vjp(layer, h, call, cotangent, link, extra_cots)
         names = _trainable_names(layer)
         if i not in self._bwd:
+            # (Not the link: its values and seeds are this call's.)
+            carries = link.carries if link is not None else None
+            keep = link.keep if link is not None else ()
+            learn = link.learns() if link is not None else ()
 
-            def bwd(h, params, cotangent, values, extra_cots, args, kwargs):
+            def bwd(h, params, cotangent, values, extra_cots, seeds, args, kwargs):
                 layer.update(params)
-                lk = None if link is None else carry.Link(link.carries, i, values, link.keep)
+                lk = None if carries is None else carry.Link(carries, i, values, keep, learn, seeds)
                 g_h, g_p, g_c = block_vjp(layer, h, (args, kwargs), cotangent, lk, extra_cots)
                 return g_h, [g_p[n] for n in names], g_c
 
             self._bwd[i] = mx.compile(bwd)
         params = layer.parameters()
         values = link.values if link is not None else []
+        seeds = link.seeds if link is not None and link.seeds is not None else [None] * len(values)
         bare = link.carries.strip(i, call) if link is not None else call
         try:
-            out = self._compiled(i, self._bwd[i], h, params, cotangent, values, list(extra_cots), *bare)
+            out = self._compiled(i, self._bwd[i], h, params, cotangent, values, list(extra_cots), seeds, *bare)
         finally:
             layer.update(params)
         if out is None:
@@ -813,7 +835,9 @@ def paged_value_and_grad(
     sweep uses them and come back through the pager in the backward sweep.
     `start`: each micro-batch's input to the first trained block, computed
     ahead (prefix_forward: the frozen blocks below it do not depend on the
-    adapters); the forward sweep then starts there.
+    adapters); the forward sweep then starts there, with the carries the
+    blocks above take from below (carry.py), which prefix_forward left in
+    each MicroBatch (`carried`): `micro_batches` must be the ones it ran.
 
     Active dropout draws mlx-lm's masks (dropout.py): the micro-batches are
     its batches in order (a split batch's parts consecutive), and
@@ -830,7 +854,9 @@ def paged_value_and_grad(
       "tail":  (bytes, blocks, rows, length) of the tail segment's vjp on
                the first micro-batch, likewise;
       "peak":  MLX's peak memory over the step;
-      "tail_held": whether the tail's pages were held (not streamed).
+      "tail_held": whether the tail's pages were held (not streamed);
+      "carried": (bytes, rows, length, count) of the carries the first
+               micro-batch kept through the step (carry.py).
     """
     L = len(model.layers)
     first = first_trained_block(model)
@@ -841,11 +867,13 @@ def paged_value_and_grad(
         mb.record(model)
     carries = micro_batches[0].carries
     if carries and carries.crosses(s_tail, first):
-        s_tail = L  # (the planner never picks such a tail: placement.Step.carries)
+        s_tail = L  # (the planner never picks such a tail: placement.Step.tail_allowed)
     # Per micro-batch: the outputs later blocks take (carry.py), kept from
     # their producer's forward to their last consumer's backward; where the
     # prefix ran ahead, those it left for the blocks above it.
-    extras: List[Dict[carry.Ref, object]] = [dict(mb.carried) if start is not None else {} for mb in micro_batches]
+    extras: List[Dict[carry.Ref, object]] = [mb.carried if start is not None else {} for mb in micro_batches]
+    for mb in micro_batches:
+        mb.carried = {}  # the step's now: forget() frees them as it goes
 
     # Forward, layer-major, up to the tail. Active dropout draws from
     # per-(block, micro-batch) keys, mlx-lm's (dropout.plan), so that the
@@ -971,7 +999,7 @@ def paged_value_and_grad(
             new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(ins, micro_batches)):
                 base = _measure_start(probe) if m == 0 and i == s_tail - 1 else None
-                link = carry.link(carries, i, extras[m], pending[m])
+                link = carry.link(carries, i, extras[m], pending[m], first)
                 extra = [g for k in (link.keep if link else ()) for g in pending[m].pop((i, k))]
                 g_h, g_p, g_c = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m], link, extra)
                 if base is not None:
@@ -979,7 +1007,8 @@ def paged_value_and_grad(
                     probe["block"] = (_measure_end(probe, base), mb.rows, int(h.shape[1]))
                 new_cots.append(g_h)
                 add(block_grads, i, g_p)
-                carry.add_cotangents(carries, i, extras[m], g_c, pending[m], first)
+                if link is not None:
+                    carry.add_cotangents(link, g_c, pending[m])
             h = None  # no reference to a checkpoint outlives its block
             cots = new_cots
             mx.eval(cots, block_grads, [list(p.values()) for p in pending])
@@ -1059,7 +1088,8 @@ def prefix_forward(
     blocks below it run forward, layer-major (each block read once for all
     the micro-batches), each micro-batch on its own through the same
     compiled block functions a step runs, so the outputs are a step's own,
-    bit for bit. The micro-batches may belong to several steps to come
+    bit for bit. The carries the blocks above take from the prefix
+    (carry.py) are left in each micro-batch (`carried`). The micro-batches may belong to several steps to come
     (prefix.py): these blocks have no adapters, so their outputs do not
     depend on the updates in between. `on_block("forward", i)` after each
     block."""

@@ -23,7 +23,6 @@ def test_the_map_names_producers_consumers_and_what_each_block_keeps():
     assert c.keep(0) == (1, 2) and c.keep(2) == ()
     assert c.takes(3) == ((1, 1), (1, 2)) and c.takes(0) == ()
     assert c.pairs() == [(0, 2), (0, 2), (1, 3), (1, 3)]
-    assert c.last_use((1, 1)) == 3
     assert not Carries(_calls()[:2])
 
 

@@ -727,6 +727,33 @@ def test_blocks_taking_another_block_s_outputs_are_bitwise_mlx_lm(tmp_path, trai
         assert [x.item() for x, _ in evaluated] == ref_losses
 
 
+def test_carries_with_several_consumers_each_are_bitwise_mlx_lm(tmp_path, monkeypatch):
+    """Six layers, the last four sharing: blocks 2 and 4 take block 0's
+    keys and values, blocks 3 and 5 block 1's (as Gemma 4 E2B's 20 sharing
+    layers take two producers'). Each consumer's vjp is seeded with what
+    the consumers above it left, so MLX adds its uses in the order its
+    autodiff of the whole model does: the producers' gradients are
+    mlx-lm's bit for bit, compiled or not, trained producers or frozen."""
+    six = {
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
+        "num_kv_shared_layers": 4,
+        "num_hidden_layers": 6,
+    }
+    monkeypatch.setitem(A.CONFIGS, "gemma4_text", {**A.CONFIGS["gemma4_text"], **six})
+    path = A.build("gemma4_text", "bf16", tmp_path / "models")
+    bs = batches(path, 2)
+    for trained in (6, 4):
+        ref_losses, total = reference_sums(path, trained, bs)
+        for compile in (True, False):
+            model, w = paged(path, trained, "in_place", tmp_path / f"{trained}{compile}")
+            mbs = [S.MicroBatch.from_batch(*b) for b in bs]
+            blocks = S.Blocks(model, compile=compile)
+            losses, _, grads = S.paged_value_and_grad(model, w, mbs, blocks=blocks, tail_start=len(model.layers))
+            assert mbs[0].carries.consumers[(0, 1)] == [2, 4] and mbs[0].carries.consumers[(1, 1)] == [3, 5]
+            assert [x.item() for x in losses] == ref_losses, (trained, compile)
+            assert_bitwise(total, grads)
+
+
 @pytest.mark.parametrize("how", ["pages in parts", "spilled"])
 def test_carries_with_lazy_pages_and_spilled_checkpoints_are_bitwise_mlx_lm(tmp_path, how):
     """One micro-batch, each block in 3 pages read lazily inside its
@@ -893,3 +920,80 @@ def test_a_block_taking_carries_is_measured_with_zeros_of_their_shapes(tmp_path)
     ]
     resident = [int(np.prod(s.placeholder.shape)) for s in w.slots[w.resident_id]]
     assert max(resident) > max(blocks) == _largest_weight_elems(w)
+
+
+class _UsesTwice(nn.Module):
+    """Block 0 makes k; the blocks above take it and use it in two ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def __call__(self, h, shared=None):
+        if shared is None:
+            k = self.proj(h)
+            return h + mx.tanh(k), k
+        return h * shared + mx.sin(shared) + self.proj(h), None
+
+
+class _ThreeShare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = [_UsesTwice(), _UsesTwice(), _UsesTwice()]
+
+    def __call__(self, x):
+        h, k = self.layers[0](x)
+        h, _ = self.layers[1](h, k)
+        h, _ = self.layers[2](h, k)
+        return h
+
+
+def test_a_consumer_using_a_carry_twice_adds_its_uses_in_mlx_s_order():
+    """Two consumers of one carry, each using it in two ops: the lower
+    consumer's vjp is seeded with the upper one's cotangent, so MLX sums
+    ((upper + use 2) + use 1), as its autodiff of the whole model does; the
+    producer's gradient is the whole model's bit for bit."""
+    mx.random.seed(1)
+    model = _ThreeShare()
+    x = mx.random.normal((4, 8, 16))
+    cot = mx.random.normal((4, 8, 16))
+    S._OUTPUTS.pop(type(model), None)
+    h0, calls = S.record_calls(model, x)
+    carries = S.Carries(calls)
+    assert carries.consumers == {(0, 1): [1, 2]}
+    blocks = model.layers
+    h1, (k,) = S.run_block(blocks[0], h0, calls[0], (1,))
+    h2 = S.run_block(blocks[1], h1, carries.fill(1, calls[1], [k]))
+    pending = {}
+    g, cots = cot, {}
+    for i in (2, 1):
+        lk = carry.link(carries, i, {(0, 1): k}, pending)
+        g, cots[i], g_c = S.block_vjp(blocks[i], (h2, h1)[2 - i], calls[i], g, lk)
+        carry.add_cotangents(lk, g_c, pending)
+    lk = carry.link(carries, 0, {}, pending)
+    _, g0, _ = S.block_vjp(blocks[0], h0, calls[0], g, lk, pending.pop((0, 1)))
+
+    def whole(params):
+        model.update(params)
+        return (model(x) * cot).sum()
+
+    ref = dict(tree_flatten(mx.grad(whole)(model.trainable_parameters())))
+    for name, got in g0.items():
+        assert mx.array_equal(ref[f"layers.0.{name}"], got).item(), name
+
+
+def test_a_carry_passed_on_unchanged_is_counted_once(tmp_path):
+    """rwkv7 passes its first block's value residual from block to block:
+    three carries, one array. A compiled block returns a copy of an input
+    it passes through (a new Python object over the same memory), so the
+    step keeps the input itself: the carries measured are one hidden
+    state's bytes, compiled or not (counted per copy, the plan reserved
+    L - 1 of them)."""
+    path = A.build("rwkv7", "bf16", tmp_path / "models")
+    (b,) = batches(path, 1)
+    model, w = paged(path, 4, "auto", tmp_path)
+    for compile in (True, False):
+        probe, mb = {}, S.MicroBatch.from_batch(*b)
+        S.paged_value_and_grad(model, w, [mb], blocks=S.Blocks(model, compile=compile), tail_start=4, probe=probe)
+        assert len(mb.carries.consumers) == 3
+        assert probe["carried"][0] == mb.h0.nbytes and probe["carried"][3] == 3, compile
