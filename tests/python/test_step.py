@@ -840,30 +840,32 @@ def test_recording_tries_each_output_count_from_the_caches_as_they_were(tmp_path
     assert mx.array_equal(S.run_block(model.layers[0], h0, calls[0]), h0 * 2).item()  # a list's first value
 
 
-class _SharesTwice(nn.Module):
-    """Block 0 returns its projection twice as one carry, (k, k) (K = V
-    with no norms); block 1 takes it."""
+class _CarryBlock(nn.Module):
+    """Block 0 makes k = proj(h) and returns it as a carry (`pair`: as
+    (k, k), one array twice, as K = V with no norms); the blocks above take
+    it and use it in two ops."""
 
-    def __init__(self):
+    def __init__(self, width: int, pair: bool):
         super().__init__()
-        self.proj = nn.Linear(4, 4)
+        self.proj, self.pair = nn.Linear(width, width), pair
 
     def __call__(self, h, shared=None):
         if shared is None:
             k = self.proj(h)
-            return h * 2 + k, (k, k)
-        a, b = shared
-        return h + a * b + self.proj(h), shared
+            return h + mx.tanh(k), ((k, k) if self.pair else k)
+        a, b = shared if self.pair else (shared, shared)
+        return h * a + mx.sin(b) + self.proj(h), None
 
 
-class _TwoShare(nn.Module):
-    def __init__(self):
+class _CarryModel(nn.Module):
+    def __init__(self, blocks: int, width: int, pair: bool):
         super().__init__()
-        self.layers = [_SharesTwice(), _SharesTwice()]
+        self.layers = [_CarryBlock(width, pair) for _ in range(blocks)]
 
     def __call__(self, x):
-        h, kv = self.layers[0](x)
-        h, _ = self.layers[1](h, kv)
+        h, k = self.layers[0](x)
+        for layer in self.layers[1:]:
+            h, _ = layer(h, k)
         return h
 
 
@@ -873,7 +875,7 @@ def test_a_carry_holding_one_array_twice_gets_both_cotangents():
     repeated carry leaf distinct, so both consumers' uses reach the
     producer's weights: the gradient of the whole model's."""
     mx.random.seed(0)
-    model = _TwoShare()
+    model = _CarryModel(2, 4, pair=True)
     x = mx.random.normal((2, 3, 4))
     cot = mx.random.normal((2, 3, 4))
     S._OUTPUTS.pop(type(model), None)
@@ -922,39 +924,13 @@ def test_a_block_taking_carries_is_measured_with_zeros_of_their_shapes(tmp_path)
     assert max(resident) > max(blocks) == _largest_weight_elems(w)
 
 
-class _UsesTwice(nn.Module):
-    """Block 0 makes k; the blocks above take it and use it in two ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(16, 16)
-
-    def __call__(self, h, shared=None):
-        if shared is None:
-            k = self.proj(h)
-            return h + mx.tanh(k), k
-        return h * shared + mx.sin(shared) + self.proj(h), None
-
-
-class _ThreeShare(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = [_UsesTwice(), _UsesTwice(), _UsesTwice()]
-
-    def __call__(self, x):
-        h, k = self.layers[0](x)
-        h, _ = self.layers[1](h, k)
-        h, _ = self.layers[2](h, k)
-        return h
-
-
 def test_a_consumer_using_a_carry_twice_adds_its_uses_in_mlx_s_order():
     """Two consumers of one carry, each using it in two ops: the lower
     consumer's vjp is seeded with the upper one's cotangent, so MLX sums
     ((upper + use 2) + use 1), as its autodiff of the whole model does; the
     producer's gradient is the whole model's bit for bit."""
     mx.random.seed(1)
-    model = _ThreeShare()
+    model = _CarryModel(3, 16, pair=False)
     x = mx.random.normal((4, 8, 16))
     cot = mx.random.normal((4, 8, 16))
     S._OUTPUTS.pop(type(model), None)
