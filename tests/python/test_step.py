@@ -869,18 +869,35 @@ class _CarryModel(nn.Module):
         return h
 
 
+def _recorded_carry_model(blocks: int, width: int, pair: bool, seed: int):
+    """A _CarryModel, an input, an output cotangent, and the recording:
+    (model, x, cot, h0, calls, carries)."""
+    mx.random.seed(seed)
+    model = _CarryModel(blocks, width, pair)
+    x = mx.random.normal((2, 8, width))
+    cot = mx.random.normal((2, 8, width))
+    S._OUTPUTS.pop(type(model), None)
+    h0, calls = S.record_calls(model, x)
+    return model, x, cot, h0, calls, S.Carries(calls)
+
+
+def _whole_model_grads(model, x, cot) -> dict:
+    """Every parameter's gradient of sum(model(x) * cot), by MLX's
+    autodiff of the whole model."""
+
+    def whole(params):
+        model.update(params)
+        return (model(x) * cot).sum()
+
+    return dict(tree_flatten(mx.grad(whole)(model.trainable_parameters())))
+
+
 def test_a_carry_holding_one_array_twice_gets_both_cotangents():
     """MLX's vjp takes one cotangent per distinct output array: returned
     twice, an array gets the first alone. The producer's vjp makes a
     repeated carry leaf distinct, so both consumers' uses reach the
     producer's weights: the gradient of the whole model's."""
-    mx.random.seed(0)
-    model = _CarryModel(2, 4, pair=True)
-    x = mx.random.normal((2, 3, 4))
-    cot = mx.random.normal((2, 3, 4))
-    S._OUTPUTS.pop(type(model), None)
-    h0, calls = S.record_calls(model, x)
-    carries = S.Carries(calls)
+    model, x, cot, h0, calls, carries = _recorded_carry_model(2, 4, pair=True, seed=0)
     assert carries.consumers == {(0, 1): [1]}
     p0, p1 = model.layers
     h1, (kv,) = S.run_block(p0, h0, calls[0], (1,))
@@ -889,11 +906,7 @@ def test_a_carry_holding_one_array_twice_gets_both_cotangents():
     assert len(g_c) == 2
     _, g0, _ = S.block_vjp(p0, h0, calls[0], g_h1, carry.Link(carries, 0, [], (1,)), g_c)
 
-    def whole(params):
-        model.update(params)
-        return (model(x) * cot).sum()
-
-    ref = dict(tree_flatten(mx.grad(whole)(model.trainable_parameters())))
+    ref = _whole_model_grads(model, x, cot)
     for name, g in g0.items():
         assert mx.allclose(ref[f"layers.0.{name}"], g, atol=1e-5).item(), name
 
@@ -929,13 +942,7 @@ def test_a_consumer_using_a_carry_twice_adds_its_uses_in_mlx_s_order():
     consumer's vjp is seeded with the upper one's cotangent, so MLX sums
     ((upper + use 2) + use 1), as its autodiff of the whole model does; the
     producer's gradient is the whole model's bit for bit."""
-    mx.random.seed(1)
-    model = _CarryModel(3, 16, pair=False)
-    x = mx.random.normal((4, 8, 16))
-    cot = mx.random.normal((4, 8, 16))
-    S._OUTPUTS.pop(type(model), None)
-    h0, calls = S.record_calls(model, x)
-    carries = S.Carries(calls)
+    model, x, cot, h0, calls, carries = _recorded_carry_model(3, 16, pair=False, seed=1)
     assert carries.consumers == {(0, 1): [1, 2]}
     blocks = model.layers
     h1, (k,) = S.run_block(blocks[0], h0, calls[0], (1,))
@@ -949,11 +956,7 @@ def test_a_consumer_using_a_carry_twice_adds_its_uses_in_mlx_s_order():
     lk = carry.link(carries, 0, {}, pending)
     _, g0, _ = S.block_vjp(blocks[0], h0, calls[0], g, lk, pending.pop((0, 1)))
 
-    def whole(params):
-        model.update(params)
-        return (model(x) * cot).sum()
-
-    ref = dict(tree_flatten(mx.grad(whole)(model.trainable_parameters())))
+    ref = _whole_model_grads(model, x, cot)
     for name, got in g0.items():
         assert mx.array_equal(ref[f"layers.0.{name}"], got).item(), name
 
