@@ -217,8 +217,8 @@ class Governor:
             )
             return  # evicted pages are freed as the blocks using them finish
         raise MemoryPressure(
-            f"the process uses {format_size(rss)}, over its --memory-budget of "
-            f"{format_size(self.plan.budget)}, with the page budget at its least. "
+            f"the process uses {format_size(rss)}, over the {format_size(limit)} its --memory-budget of "
+            f"{format_size(self.plan.budget)} leaves after the governor's margin, with the page budget at its least. "
             f"Raise --memory-budget to at least {format_size(rss + self.margin + self.plan.max_page, up=True)}, "
             "or lower --batch-size / --max-seq-length.",
             rss,

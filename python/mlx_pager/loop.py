@@ -538,6 +538,9 @@ def train(
         )
         if isinstance(e, interrupt.Interrupted):
             raise interrupt.Interrupted(e.signum, note) from None
-        raise type(e)(f"{e} {note[0].upper()}{note[1:]}.") from None
+        # The same exception, its message with the note (a new one of its
+        # type may not be made from a message alone: MemoryPressure).
+        e.args = (f"{e} {note[0].upper()}{note[1:]}.",)
+        raise e from None
     save_adapters(model, adapter_file, None, cb)
     save_state(done)

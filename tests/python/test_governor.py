@@ -424,3 +424,34 @@ def test_a_page_budget_cut_to_its_floor_mid_step_holds_a_block_in_parts(models, 
     assert len(cut) == 1, rung_names(res)
     assert len(res.steps) == 3
     same(unforced, ad, exact="split" not in rung_names(res))
+
+
+def test_memory_pressure_in_validation_stops_with_its_message_and_the_adapters_saved(
+    ladder_model, tmp_path, monkeypatch
+):
+    """Evaluation is not run again with less memory: MemoryPressure there
+    stops the run. The stop appends where the adapters were saved to the
+    message of the same exception (made again from its message alone,
+    MemoryPressure, which also takes rss and over, raised a TypeError
+    instead: the sweep found it at a validation under the least budget)."""
+    from mlx_pager import loop
+
+    real = loop.evaluate
+    calls = []
+
+    def squeezed(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryPressure("the process uses too much", 123, 4)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", squeezed)
+    data = tmp_path / "data"
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    write_jsonl(data / "train.jsonl", recs[:20])
+    write_jsonl(data / "valid.jsonl", recs[20:24])
+    with pytest.raises(MemoryPressure) as e:
+        ladder_run(ladder_model, data, tmp_path / "v", iters=3, steps_per_eval=2, val_batches=1)
+    assert str(e.value).startswith("the process uses too much The adapters and resume state of iteration 1 are saved")
+    assert (e.value.rss, e.value.over) == (123, 4)
+    assert (tmp_path / "v" / "ad" / "adapters.safetensors").exists()
