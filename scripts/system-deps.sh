@@ -3,7 +3,7 @@
 # they are missing and the machine has apt-get (Debian, Ubuntu): a C++20
 # compiler, a C compiler (csrc/mm/xxh3_*.c), Python's venv module and
 # OpenBLAS (MLX's Linux CPU wheel bundles a reference BLAS ~10-30x slower for
-# float32 matmuls; see README, "On Linux CPUs: BLAS"). Elsewhere (macOS, other distributions) it only says what is
+# float32 matmuls; see docs/platforms.md, "On Linux CPUs: BLAS"). Elsewhere (macOS, other distributions) it only says what is
 # missing. Used by scripts/demo.sh and .ci/run; with --ci also the lint
 # tools (clang-format).
 set -euo pipefail

@@ -7,7 +7,7 @@ beside the pages the step holds meanwhile. Where the budget leaves little
 room beside a long compute (a block computed for a whole window of batches
 while a budget of two blocks holds it and the next), the disk idles through
 that compute whatever the schedule, and reads the steps after it must wait
-for (the read shape at 25%: README, *What the figures say*).
+for (the read shape at 25%: docs/benchmark-history.md, *What the figures say*).
 
 ``room_bound`` is that bound with the room counted: the optimum of a linear
 program every schedule of the simulator's model satisfies (the model of

@@ -430,7 +430,7 @@ class Session:
 # 0.81 / 0.63 s whole (the same runs' 'again' rows in parts: 0.79 / 0.60 /
 # 0.66 / 0.59 / 0.62); compute shape 2.19 / 2.77 / 2.75 against 3.15 /
 # 3.29 / 4.05; 4-bit and the 8 GB shape even. At three blocks neither won
-# (read shape, README), and from four whole blocks stream faster with
+# (read shape, docs/design.md "Pages"), and from four whole blocks stream faster with
 # fewer, larger reads (read shape at four: 0.95 s against 1.14 s).
 PARTS_BELOW_BLOCKS = 3
 AUTO_MIN_PARTS = 4
