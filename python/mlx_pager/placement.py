@@ -257,7 +257,10 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
     # Carries made below the tail, kept for the step (one per micro-batch
     # each); those in the tail are its graph's (its measure has them).
-    carried = step.batches * sum(1 for p, _ in step.carries if p < s) * sizes.carry(step.rows, length)
+    # A trained producer's carries also have cotangents, summed from their
+    # consumers' backward down to its own (step.py: pending), as large.
+    carried = step.batches * sizes.carry(step.rows, length)
+    carried *= sum(1 for p, _ in step.carries if p < s) + sum(1 for p, _ in step.carries if first <= p < s)
     activations = checkpoints + held + max(work) + carried
     ahead = max(1, ahead) if first > 0 else 1
     waiting = (ahead - 1) * prefix_outputs(step, sizes, step.rows)

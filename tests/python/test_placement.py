@@ -134,8 +134,10 @@ def test_no_tail_starts_between_a_carry_s_producer_and_consumer_and_carries_are_
     of blocks 2 and 3. No tail starts at 3..6 (the step would run it as
     none); the fastest allowed is the whole stack's; the carries made below
     the tail weigh on the activations, two hidden states each until
-    measured, then as measured. Carries from frozen producers (below the
-    first trained block) constrain no tail."""
+    measured, then as measured, and so do the cotangents of a trained
+    producer's carries (pending from their consumers' backward down to the
+    producer's). Carries from frozen producers (below the first trained
+    block) constrain no tail and have no cotangents."""
     st, sz = shape(carries=[(2, 5), (3, 6)]), sizes()
     assert [st.tail_allowed(s) for s in range(9)] == [True] * 3 + [False] * 4 + [True] * 2
     assert {p.tail_start for p in P.candidates(st, sz)} == {0, 1, 2, 7, 8}
@@ -146,11 +148,17 @@ def test_no_tail_starts_between_a_carry_s_producer_and_consumer_and_carries_are_
     assert [mixed.tail_allowed(s) for s in range(3, 9)] == [True, False, False, False, True, True]
     plain = shape()
     ckpt = sz.checkpoint(4, 128)
-    assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 2 * ckpt
+    assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 2 * 2 * ckpt
+    assert P.evaluate(mixed, sz, 8, 1).activations == P.evaluate(shape(first_trained=3), sz, 8, 1).activations + (
+        2 + 1
+    ) * (2 * ckpt)
+    assert P.evaluate(frozen, sz, 8, 1).activations == P.evaluate(shape(first_trained=4), sz, 8, 1).activations + 2 * (
+        2 * ckpt
+    )
     assert P.evaluate(st, sz, 0, 1).activations == P.evaluate(plain, sz, 0, 1).activations  # in the tail's graph
     sz.learn({"carried": (2 * 4 * 128 * 100, 4, 128, 2)})  # two carries of 100 bytes a token
     assert sz.carry(4, 128) == 4 * 128 * 100
-    assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 4 * 128 * 100
+    assert P.evaluate(st, sz, 8, 1).activations == P.evaluate(plain, sz, 8, 1).activations + 2 * 2 * 4 * 128 * 100
     p = P.choose(st, sz, pool=P.evaluate(st, sz, 7, 1).need)
     assert p.tail_start not in range(3, 7)
     # a prefix running ahead keeps each batch's carries into the blocks above it
