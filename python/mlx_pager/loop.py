@@ -20,6 +20,7 @@ step then starts at the first trained block.
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Optional
@@ -70,13 +71,30 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
         cb.on_block(s.weights, phase, i)
 
     on_block = on_block or check_block
-    for g in range(0, len(batches), group):
-        for mb, (loss, toks) in zip(
-            batches[g : g + group],
-            step.paged_loss(
+    g, dropped = 0, False
+    while g < len(batches):
+        try:
+            results = step.paged_loss(
                 model, s.weights, batches[g : g + group], args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
-            ),
-        ):
+            )
+        except MemoryPressure:
+            # Over, with the page budget at its least: as a training step
+            # does (_value_and_grad), let go of the compiled graphs of
+            # earlier shapes, then compile no more; the group runs again.
+            if not dropped and s.blocks.drop_compiled():
+                s.gov.record("recompile", "validation did not fit: let go of the compiled graphs")
+            elif s.blocks.stop_compiling():
+                s.gov.record("uncompile", "validation did not fit: running the blocks uncompiled from now on")
+            else:
+                raise
+            dropped = True
+            results = None
+        if results is None:
+            gc.collect()  # the try's traceback is gone: what it held goes back
+            release_heap()
+            s.use_forward_schedule()  # the pager's order from the sweep's start
+            continue
+        for mb, (loss, toks) in zip(batches[g : g + group], results):
             if mb.batch_rows is not None:
                 # A part of a batch split to fit may hold no target token
                 # (a masked prompt cut by --max-seq-length): its loss is
@@ -89,6 +107,7 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
             mx.eval(all_losses, ntokens)
             if advance is not None:
                 advance()
+        g += group
     # Every rank evaluated its share of each batch (as mlx-lm's evaluate()).
     all_losses = mx.distributed.all_sum(all_losses, stream=mx.cpu)
     ntokens = mx.distributed.all_sum(ntokens, stream=mx.cpu)
@@ -191,7 +210,15 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
     `window` (prefix.py): the steps this one belongs to; the first of a
     window of several computes the frozen prefix's outputs for all of them
     (step.prefix_forward), each then starts from its own."""
+    retry, dropped = False, False
     while True:
+        if retry:
+            # What the abandoned try held (its traceback kept its arrays and
+            # the compiled graphs it called alive until here) goes back to
+            # the OS before the step runs again, from the pager's first access.
+            gc.collect()
+            release_heap()
+            s.use_step_schedule()
         p = s.placement
         owner, mbs = [], []
         for g, b in enumerate(group):
@@ -234,17 +261,30 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
                 probe["prefix_ahead"] = True
             break
         except MemoryPressure as e:
+            retry = True
             del mbs, start
             if window is not None:
                 window.drop()  # the steps left compute their own prefix
             release_heap()
+            # What grows outside MLX's arrays first: mx.compile keeps a traced
+            # graph per input shape met (Blocks.drop_compiled), and those of
+            # shapes and placements the run moved on from are dead weight.
+            # Letting go of them costs a trace of the current ones; a smaller
+            # placement would cost recompute for the rest of the run.
+            if not dropped and s.blocks.drop_compiled():
+                dropped = True
+                s.gov.record(
+                    "recompile",
+                    f"iteration {it} did not fit: let go of the compiled graphs of earlier shapes and placements",
+                    iteration=it,
+                )
+                continue
             if not s.replan(probe, smaller=True):
+                # The least placement and still over: run uncompiled (a tiny
+                # mamba's 4 steps: 203-226 MB RSS compiled, 152-160
+                # uncompiled; an E2B-style 35-block model's 4 steps: 212 MB
+                # outside MLX compiled, 124 MB uncompiled).
                 if s.blocks.stop_compiling():
-                    # The least placement and still over: what grows is
-                    # outside MLX's arrays. mx.compile JIT-builds kernels for
-                    # every new shape, loaded into the process for good (a
-                    # tiny mamba's 4 steps: 203-226 MB RSS compiled, 152-160
-                    # uncompiled); uncompiled, the blocks stop adding to it.
                     s.gov.record(
                         "uncompile",
                         f"iteration {it} did not fit: running the blocks uncompiled from now on",

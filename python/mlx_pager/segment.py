@@ -155,6 +155,10 @@ class Tail:
         streamed = stream is not None
         fn = self._fns.get((start, chunk_bytes, streamed))
         if fn is None:
+            # A placement the run has moved on from: its graphs go (MLX keeps
+            # them with the function, Blocks.drop_compiled).
+            for k in [k for k in self._fns if k[0] != start]:
+                del self._fns[k]
             model, tail = self.model, self
 
             carries = mb.carries  # the model's, the same for every batch

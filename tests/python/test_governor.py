@@ -265,9 +265,10 @@ def test_last_rung_saves_the_adapters_and_names_what_would_fit(ladder_model, lad
     assert "iteration 3 does not fit" in str(e.value) and "iteration 2 are saved" in str(e.value)
     same(ref, mx.load(str(tmp_path / "stop" / "ad" / "adapters.safetensors")), exact=True)
     report = [json.loads(l) for l in (tmp_path / "stop" / "report.jsonl").read_text().splitlines()]
-    # before stopping, the blocks ran uncompiled once more (mx.compile's JIT
-    # kernels are memory no placement gives back)
-    assert [r["rung"] for r in report if r["type"] == "governor"][-2:] == ["uncompile", "stop"]
+    # before stopping, the compiled graphs were let go of, then the blocks
+    # ran uncompiled once more (mx.compile's graphs are memory outside MLX's
+    # arrays that no placement gives back)
+    assert [r["rung"] for r in report if r["type"] == "governor"][-3:] == ["recompile", "uncompile", "stop"]
 
 
 class Hog(PagerCallback):
@@ -429,8 +430,9 @@ def test_a_page_budget_cut_to_its_floor_mid_step_holds_a_block_in_parts(models, 
 def test_memory_pressure_in_validation_stops_with_its_message_and_the_adapters_saved(
     ladder_model, tmp_path, monkeypatch
 ):
-    """Evaluation is not run again with less memory: MemoryPressure there
-    stops the run. The stop appends where the adapters were saved to the
+    """Evaluation has no smaller placement: MemoryPressure there, once the
+    compiled graphs are let go of and the blocks run uncompiled (the test
+    below), stops the run. The stop appends where the adapters were saved to the
     message of the same exception (made again from its message alone,
     MemoryPressure, which also takes rss and over, raised a TypeError
     instead: the sweep found it at a validation under the least budget)."""
@@ -455,3 +457,39 @@ def test_memory_pressure_in_validation_stops_with_its_message_and_the_adapters_s
     assert str(e.value).startswith("the process uses too much The adapters and resume state of iteration 1 are saved")
     assert (e.value.rss, e.value.over) == (123, 4)
     assert (tmp_path / "v" / "ad" / "adapters.safetensors").exists()
+
+
+def test_a_validation_over_the_budget_lets_go_of_compiled_graphs_and_runs_again(ladder_model, tmp_path, monkeypatch):
+    """MemoryPressure in a validation's sweep (the pages at their least):
+    the compiled graphs are let go of and the group runs again, then the
+    blocks run uncompiled; the losses are the unsqueezed run's. Only a third
+    time does the run stop."""
+    from mlx_pager import step as S
+
+    data = tmp_path / "data"
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    write_jsonl(data / "train.jsonl", recs[:20])
+    write_jsonl(data / "valid.jsonl", recs[20:24])
+    kw = dict(iters=3, steps_per_eval=2, val_batches=1)
+    ref, ref_ad = ladder_run(ladder_model, data, tmp_path / "ref", **kw)
+
+    real, calls = S.paged_loss, []
+
+    def squeezed(fail):
+        def f(*args, **k):
+            calls.append(1)
+            if len(calls) in fail:  # the second validation's first and second sweeps
+                raise MemoryPressure("over", 1, 1)
+            return real(*args, **k)
+
+        return f
+
+    monkeypatch.setattr(S, "paged_loss", squeezed({2, 3}))
+    res, ad = ladder_run(ladder_model, data, tmp_path / "v", **kw)
+    assert rung_names(res) == ["recompile", "uncompile"]
+    assert res.val_losses == ref.val_losses
+    same(ref_ad, ad, exact=True)
+    calls.clear()
+    monkeypatch.setattr(S, "paged_loss", squeezed({2, 3, 4}))
+    with pytest.raises(MemoryPressure):
+        ladder_run(ladder_model, data, tmp_path / "w", **kw)
