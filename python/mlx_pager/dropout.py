@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,8 +74,8 @@ class KeyedDropout(nn.Module):
         j = self._at[0]
         self._at[0] += 1
         keys = self._keys
-        # More calls than modules (a module called twice): keys of its own,
-        # the same in the recompute (not mlx-lm's; none of its layers does).
+        # More calls than planned (plan without `calls`, or the planner's
+        # probes, fixed()): keys of its own, the same in the recompute.
         key = keys[j] if j < len(keys) else mx.random.split(keys[-1], j + 1)[j]
         d = self._draws
         if d.rows is not None and x.ndim and x.shape[0] == d.part_rows:
@@ -109,6 +109,36 @@ def keyed(layer: nn.Module, draws: Optional[BlockDraws], backward: bool = False)
             modules[parent][attr] = m
 
 
+class _Counter(nn.Module):
+    """Stands in for an active nn.Dropout: counts the call, draws nothing."""
+
+    def __init__(self, n: List[int]):
+        super().__init__()
+        self._n = n
+
+    def __call__(self, x):
+        self._n[0] += 1
+        return x
+
+
+@contextmanager
+def counting(layer: nn.Module):
+    """Within the block, every active nn.Dropout replaced by a counter of
+    its calls (nothing drawn, nothing masked); yields the count, a list of
+    one int, which the block's calls add to."""
+    found, n = active(layer), [0]
+    modules = dict(layer.named_modules())
+    try:
+        for name, _ in found:
+            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            modules[parent][attr] = _Counter(n)
+        yield n
+    finally:
+        for name, m in found:
+            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+            modules[parent][attr] = m
+
+
 def fixed(layer: nn.Module) -> Optional[BlockDraws]:
     """Draws for a measurement run of the block (the planner's probes), from
     a key of their own: the masks cost what the step's do, and mlx-lm's
@@ -129,7 +159,10 @@ def checkpointed_blocks(model: nn.Module, first_trained: int) -> Set[int]:
 
 
 def plan(
-    model: nn.Module, micro_batches: Sequence, redrawn: Set[int] = frozenset()
+    model: nn.Module,
+    micro_batches: Sequence,
+    redrawn: Set[int] = frozenset(),
+    calls: Optional[Callable[[object], List[int]]] = None,
 ) -> Tuple[List[List[Optional[BlockDraws]]], int]:
     """(draws[i][m] for block i and micro-batch m, or None where block i has
     no active dropout; the number of global draws the step makes), in
@@ -137,11 +170,14 @@ def plan(
     docstring). Micro-batches are in their batches' order; a batch's parts
     are consecutive, its first at row0 0. `redrawn`: the blocks mlx-lm's
     --grad-checkpoint draws again in its backward pass (checkpointed_blocks),
-    empty without it. Nothing is drawn from the global sequence here."""
+    empty without it. `calls(mb)`: each block's dropout calls for a batch
+    of micro-batch mb's shapes (step.dropout_calls: a block may call a LoRA
+    layer more than once, mamba's once per position); without it, one per
+    active module. Nothing is drawn from the global sequence here."""
     L, M = len(model.layers), len(micro_batches)
-    counts = [len(active(layer)) for layer in model.layers]
+    modules = [len(active(layer)) for layer in model.layers]
     table: List[List[Optional[BlockDraws]]] = [[None] * M for _ in range(L)]
-    if not any(counts):
+    if not any(modules):
         return table, 0
     state = mx.random.state[0]
     n = 0
@@ -161,6 +197,7 @@ def plan(
             batches.append([])
         batches[-1].append(m)
     for parts in batches:
+        counts = calls(micro_batches[parts[0]]) if calls is not None else modules
         forward = [take(c) for c in counts]
         backward = list(forward)
         for i in sorted(redrawn, reverse=True):
@@ -171,7 +208,7 @@ def plan(
             part_rows = int(mb.inputs.shape[0])
             rows = mb.batch_rows if mb.batch_rows != part_rows else None
             for i in range(L):
-                if counts[i]:
+                if modules[i]:
                     table[i][m] = BlockDraws(forward[i], backward[i], rows, mb.row0, part_rows)
     return table, n
 

@@ -36,6 +36,7 @@ the backward hands the consumer's cotangents for them to the producer.
 from __future__ import annotations
 
 import inspect
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -343,20 +344,57 @@ def model_carries(model: nn.Module) -> Carries:
     return Carries(calls)
 
 
-def _shaped_carries(model: nn.Module, mb: "MicroBatch", upto: int) -> dict:
-    """The carries blocks 0..upto-1 make for micro-batch `mb` ({ref:
-    value}), from the blocks' forward graph, built and never evaluated:
-    their shapes and dtypes, whatever the frozen weights are (the store's
-    placeholders, unread; recording `mb` evaluated its embedding). Active dropout draws from keys of its own (MLX's
-    global key sequence, whose next keys are mlx-lm's masks, is left
-    alone)."""
+def _graph_forward(model: nn.Module, mb: "MicroBatch", upto: int, context) -> dict:
+    """Builds the forward graph of blocks 0..upto-1 for micro-batch `mb`,
+    never evaluated, whatever the frozen weights are (the store's
+    placeholders, unread; recording `mb` evaluated its embedding), each
+    block run inside `context(layer)`; returns the carries they make
+    ({ref: value})."""
     extras, h = {}, mb.h0
     for i in range(upto):
         layer = model.layers[i]
         link = carry.link(mb.carries, i, extras)
-        with keyed_dropout(layer, dropout.fixed(layer)):
+        with context(layer):
             h = carry.kept(run_linked(layer, h, mb.calls[i], link), link, extras)
     return extras
+
+
+def _shaped_carries(model: nn.Module, mb: "MicroBatch", upto: int) -> dict:
+    """The carries blocks 0..upto-1 make for micro-batch `mb` ({ref:
+    value}), from the blocks' forward graph (_graph_forward): their shapes
+    and dtypes. Active dropout draws from keys of its own (MLX's global key
+    sequence, whose next keys are mlx-lm's masks, is left alone)."""
+    return _graph_forward(model, mb, upto, lambda layer: keyed_dropout(layer, dropout.fixed(layer)))
+
+
+# model -> {input shape: each block's dropout calls} (dropout_calls)
+_DROPOUT_CALLS: Dict[int, Dict[tuple, List[int]]] = {}
+
+
+def dropout_calls(model: nn.Module, mb: "MicroBatch") -> List[int]:
+    """Each block's calls of its active dropout modules in a forward pass on
+    micro-batch `mb`'s shapes: mlx-lm draws a mask per call, and a block may
+    call a LoRA layer more than once (mamba's x_proj and dt_proj, once per
+    position: 2 + 2T draws a block, where one per module would be 4).
+    Counted on the blocks' forward graph (_graph_forward, nothing drawn or
+    evaluated), once per model and input shape."""
+    memo = _DROPOUT_CALLS.get(id(model))
+    if memo is None:
+        memo = _DROPOUT_CALLS[id(model)] = {}
+        weakref.finalize(model, _DROPOUT_CALLS.pop, id(model), None)
+    shape = tuple(mb.inputs.shape)
+    if shape not in memo:
+        counts = []
+
+        @contextmanager
+        def count(layer):
+            with dropout.counting(layer) as n:
+                yield
+            counts.append(n[0])
+
+        _graph_forward(model, mb, len(model.layers), count)
+        memo[shape] = counts
+    return memo[shape]
 
 
 def carried_sizes(model: nn.Module, length: int = 8) -> Optional[tuple]:
@@ -894,7 +932,7 @@ def paged_value_and_grad(
     # backward pass's recompute sees the masks it should; without it
     # (mlx-lm's default) the global PRNG is left untouched, as mlx-lm does.
     redrawn = dropout.checkpointed_blocks(model, first) if grad_checkpoint else set()
-    keys, draws = dropout.plan(model, micro_batches, redrawn)
+    keys, draws = dropout.plan(model, micro_batches, redrawn, lambda mb: dropout_calls(model, mb))
     if start is not None and len(start) != len(micro_batches):
         raise ValueError(f"{len(start)} prefix outputs for {len(micro_batches)} micro-batches")
     hs = list(start) if start is not None else [mb.h0 for mb in micro_batches]

@@ -164,3 +164,36 @@ def test_sizing_the_carries_leaves_the_key_sequence_alone(tmp_path):
     nbytes, rows, length, count = S.carried_sizes(model)
     assert nbytes > 0 and (rows, length, count) == (1, 8, 4)
     assert mx.array_equal(_state(), before).item()
+
+
+def test_a_block_calling_a_lora_layer_per_position_draws_mlx_lm_s_masks(tmp_path):
+    """mamba's block calls x_proj and dt_proj once per position (its scan
+    loops over the sequence): with LoRA there, mlx-lm draws a mask per call,
+    2 + 2T a block, where one a module would be 4. The plan counts the
+    calls on the blocks' forward graph (step.dropout_calls), and the paged
+    step is mlx-lm's bit for bit, at two lengths, every trained block
+    recomputed or in a tail, and leaves the key sequence where mlx-lm's
+    does. (One key a module, the sweep found a run 2e-4 off in its loss.)"""
+    path = A.build("mamba", "bf16", tmp_path / "models")
+    (batch,) = batches(path, 1)
+    lora = dict(LORA, keys=["mixer.x_proj", "mixer.dt_proj", "mixer.in_proj"])
+    ref = A.reference(path, 2, lora=lora)
+    model, w = A.paged(path, 2, "in_place", str(tmp_path), lora=lora)
+    _train_like(ref, model)
+    ref.train(), model.train()
+    L = len(model.layers)
+    for T in (7, 12):
+        cut = (batch[0][:, : T + 1], mx.minimum(batch[1], T))
+        mx.random.seed(5)
+        (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *cut)
+        mx.eval(loss, grads)
+        after = _state()
+        mb = S.MicroBatch.from_batch(*cut)
+        mb.record(model)
+        assert S.dropout_calls(model, mb)[L - 2 :] == [1 + 2 * T] * 2  # in_proj once, x_proj and dt_proj per position
+        for tail_start in (None, L - 1):
+            mx.random.seed(5)
+            losses, _, got = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*cut)], tail_start=tail_start)
+            assert losses[0].item() == loss.item(), (T, tail_start)
+            assert not A.bitwise_mismatches(dict(tree_flatten(grads)), got)
+            assert mx.array_equal(_state(), after).item()
