@@ -78,8 +78,15 @@ class KeyedDropout(nn.Module):
         # probes, fixed()): keys of its own, the same in the recompute.
         key = keys[j] if j < len(keys) else mx.random.split(keys[-1], j + 1)[j]
         d = self._draws
-        if d.rows is not None and x.ndim and x.shape[0] == d.part_rows:
-            mask = mx.random.bernoulli(self._p_keep, (d.rows, *x.shape[1:]), key=key)[d.row0 : d.row0 + d.part_rows]
+        if d.rows is not None and x.ndim and x.shape[0] % d.part_rows == 0:
+            # The part's rows of the batch's mask; an input whose first axis
+            # holds m entries a row (its rows flattened with the positions,
+            # batch-major) takes m entries a row. (A MoE layer's input sorted
+            # by expert across the rows, mlx-lm's gather_sort, interleaves
+            # the rows: its part's mask is the batch's, not mlx-lm's.)
+            m = x.shape[0] // d.part_rows
+            shape = (d.rows * m, *x.shape[1:])
+            mask = mx.random.bernoulli(self._p_keep, shape, key=key)[d.row0 * m : (d.row0 + d.part_rows) * m]
         else:
             mask = mx.random.bernoulli(self._p_keep, x.shape, key=key)
         return (mask * x) * (1 / self._p_keep)

@@ -141,6 +141,37 @@ def test_a_split_batch_s_parts_take_their_rows_of_the_batch_s_masks(models, tmp_
     assert mx.array_equal(_state(), after).item()
 
 
+class _FlatBlock(nn.Module):
+    """Its dropout sees the rows flattened with the positions (B*T, D)."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = nn.Dropout(0.5)
+
+    def __call__(self, x):
+        B, T, D = x.shape
+        return self.d(x.reshape(B * T, D)).reshape(B, T, D)
+
+
+def test_a_part_takes_its_rows_of_a_mask_whose_rows_are_flattened_with_positions():
+    """A split batch's part draws the batch's mask and keeps its rows, also
+    where the dropout's input holds the rows flattened with the positions
+    (B*T first): T entries a row."""
+    blocks = [_FlatBlock()]
+    model = type("M", (), {"layers": blocks})()
+    x = mx.random.normal((4, 3, 5), key=mx.random.key(2))
+    mx.random.seed(9)
+    want = blocks[0](x)  # as mlx-lm: the whole batch's mask from the global sequence
+    mx.random.seed(9)
+    parts = [type("MB", (), {"inputs": x[r : r + 2, :, 0], "row0": r, "batch_rows": 4})() for r in (0, 2)]
+    table, n = D.plan(model, parts)
+    assert n == 1
+    for m, r in enumerate((0, 2)):
+        with D.keyed(blocks[0], table[0][m]):
+            got = blocks[0](x[r : r + 2])
+        assert mx.array_equal(got, want[r : r + 2]).item()
+
+
 def test_the_planner_s_probe_leaves_the_key_sequence_alone(models, tmp_path):
     path = models("llama", None, num_hidden_layers=3)
     model, w = A.paged(path, 2, "in_place", str(tmp_path), lora=LORA)
