@@ -3,6 +3,7 @@
 on the CPU: each block runs the same MLX ops on the same inputs, and the head
 sums per-token losses exactly as default_loss does."""
 
+import os
 import types
 
 import mlx.core as mx
@@ -275,8 +276,10 @@ def test_dropping_the_compiled_graphs_gives_their_memory_back_with_the_same_bits
     assert blocks.drop_compiled() and not blocks.drop_compiled()
     assert not blocks._fwd and not blocks._bwd and blocks.compile  # built again when next used
     freed = base + grown - outside()
-    assert grown > 4 << 20, grown  # a graph per length and block, forward and backward
-    assert freed > grown // 2, (grown, freed)
+    # (ASan's allocator keeps freed memory in quarantine: no RSS comes back.)
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):
+        assert grown > 4 << 20, grown  # a graph per length and block, forward and backward
+        assert freed > grown // 2, (grown, freed)
     for (l1, _, g1), (l2, _, g2) in zip(first, again):
         assert l1[0].item() == l2[0].item() and not A.bitwise_mismatches(g1, g2)
 
