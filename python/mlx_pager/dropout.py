@@ -93,6 +93,25 @@ class KeyedDropout(nn.Module):
 
 
 @contextmanager
+def _replaced(layer: nn.Module, found, stand_in):
+    """Within the block, each of the `found` (name, nn.Dropout) pairs
+    replaced by stand_in(module); put back afterwards."""
+    modules = dict(layer.named_modules())
+
+    def put(name, m):
+        parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+        modules[parent][attr] = m
+
+    try:
+        for name, m in found:
+            put(name, stand_in(m))
+        yield
+    finally:
+        for name, m in found:
+            put(name, m)
+
+
+@contextmanager
 def keyed(layer: nn.Module, draws: Optional[BlockDraws], backward: bool = False):
     """Within the block, every active nn.Dropout replaced by a KeyedDropout
     drawing `draws`' forward (or `backward`) keys in call order; put back
@@ -104,16 +123,8 @@ def keyed(layer: nn.Module, draws: Optional[BlockDraws], backward: bool = False)
         return
     keys = draws.backward if backward else draws.forward
     at = [0]
-    modules = dict(layer.named_modules())
-    try:
-        for name, m in found:
-            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            modules[parent][attr] = KeyedDropout(m._p_1, keys, draws, at)
+    with _replaced(layer, found, lambda m: KeyedDropout(m._p_1, keys, draws, at)):
         yield True
-    finally:
-        for name, m in found:
-            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            modules[parent][attr] = m
 
 
 class _Counter(nn.Module):
@@ -133,17 +144,9 @@ def counting(layer: nn.Module):
     """Within the block, every active nn.Dropout replaced by a counter of
     its calls (nothing drawn, nothing masked); yields the count, a list of
     one int, which the block's calls add to."""
-    found, n = active(layer), [0]
-    modules = dict(layer.named_modules())
-    try:
-        for name, _ in found:
-            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            modules[parent][attr] = _Counter(n)
+    n = [0]
+    with _replaced(layer, active(layer), lambda m: _Counter(n)):
         yield n
-    finally:
-        for name, m in found:
-            parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-            modules[parent][attr] = m
 
 
 def fixed(layer: nn.Module) -> Optional[BlockDraws]:
