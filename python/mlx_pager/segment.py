@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import carry, dropout, step
+from .compiled import CompiledShapes
 
 
 def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: int) -> mx.array:
@@ -136,9 +137,12 @@ class Tail:
     router evaluates arrays inside a block): the failure is remembered
     (``uncompiled``)."""
 
-    def __init__(self, model: nn.Module, compile: bool = True):
+    def __init__(self, model: nn.Module, compile: bool = True, fns: Optional[CompiledShapes] = None):
         self.model, self.compile = model, compile
-        self._fns: Dict[tuple, object] = {}
+        # Its compiled functions per input shape (compiled.py), named
+        # ("tail", start, chunk_bytes, streamed): the blocks' (step.Blocks),
+        # so that a shape's go together.
+        self.fns = fns if fns is not None else CompiledShapes()
         self._stream = None  # the Stream a streamed trace builds its reads from (None: held)
         self.uncompiled: Optional[str] = None  # why mx.compile failed
 
@@ -153,23 +157,22 @@ class Tail:
         if not self.compile or self.uncompiled is not None or dropout:
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)
         streamed = stream is not None
-        fn = self._fns.get((start, chunk_bytes, streamed))
-        if fn is None:
-            # A placement the run has moved on from: its graphs go (MLX keeps
-            # them with the function, Blocks.drop_compiled).
-            for k in [k for k in self._fns if k[0] != start]:
-                del self._fns[k]
-            model, tail = self.model, self
+        # A placement the run has moved on from: its graphs go (MLX keeps
+        # them with the function, compiled.py).
+        self.fns.discard(lambda name: name[0] == "tail" and name[1] != start)
+        model, tail = self.model, self
+        carries = mb.carries  # the model's, the same for every batch
 
-            carries = mb.carries  # the model's, the same for every batch
-
+        def make():
             def compiled(h, inputs, targets, mask, norm, calls, values):
                 m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm, carries=carries)
                 return tail_value_and_grad(
                     model, start, m, h, [None] * len(keys), chunk_bytes, tail._stream, dict(zip(refs, values))
                 )
 
-            fn = self._fns[(start, chunk_bytes, streamed)] = mx.compile(compiled, inputs=[model.state])
+            return compiled
+
+        fn = self.fns.get(tuple(h.shape), ("tail", start, chunk_bytes, streamed), make, inputs=[model.state])
         # mx.compile swaps every array of model.state (private ones too, e.g.
         # a scaled RoPE's _freqs) for a tracer, and swaps them back only when
         # the trace succeeds.
@@ -183,7 +186,7 @@ class Tail:
             # A trace that fails fails before running anything; running the
             # tail uncompiled raises any error of its own again.
             self.uncompiled = step.one_line(e)
-            self._fns.clear()
+            self.fns.discard(lambda name: name[0] == "tail")
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)
         finally:
             self._stream = None

@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import carry, dropout
 from .carry import Carries
+from .compiled import KEEP_SHAPES, CompiledShapes
 from .layers import BlockList, NotPageable, architecture
 from .stream import Stream, forward_pages
 
@@ -622,11 +623,16 @@ class Blocks:
     the tail segment too (segment.Tail; jit.tail_compile_refused says where
     its compile does not fit the memory limit)."""
 
-    def __init__(self, model: nn.Module, compile: bool = True, compile_tail: bool = True):
+    def __init__(
+        self, model: nn.Module, compile: bool = True, compile_tail: bool = True, keep_shapes: int = KEEP_SHAPES
+    ):
         from .segment import Tail
 
         self.model, self.compile = model, compile
-        self._fwd, self._bwd = {}, {}
+        # The compiled functions, per input shape (the hidden state's), for
+        # a bounded number of shapes (compiled.py): ("fwd", i), ("bwd", i),
+        # and the tail's.
+        self.fns = CompiledShapes(keep_shapes)
         self._extras: Dict[int, object] = {}  # block -> its kept outputs' template (carry.template)
         self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
         # Forward blocks in parts that ran bound whole (their pages all
@@ -636,7 +642,7 @@ class Blocks:
         # accesses take them as one access of all their pages
         # (simulate.accesses_from_marks `whole`).
         self.bound_whole: List[int] = []
-        self.tail = Tail(model, compile and compile_tail)  # the no-recompute tail segment (segment.py)
+        self.tail = Tail(model, compile and compile_tail, self.fns)  # the no-recompute tail segment (segment.py)
 
     def drop_compiled(self) -> bool:
         """Lets go of every compiled function (the blocks' and the tail's),
@@ -648,11 +654,13 @@ class Blocks:
         over 4 steps whose placement changed twice, 124 MB uncompiled).
         Freed (with gc and malloc_trim after the last reference goes), the
         memory comes back."""
-        held = bool(self._fwd or self._bwd or self.tail._fns)
-        self._fwd.clear()
-        self._bwd.clear()
-        self.tail._fns.clear()
-        return held
+        return self.fns.clear()
+
+    def drop_stale(self) -> bool:
+        """Lets go of the compiled functions of every input shape but the one
+        used last (the governor's rung before it takes pages: a shape met
+        again is traced again); False where no other shape is held."""
+        return self.fns.drop_stale()
 
     def stop_compiling(self) -> bool:
         """Runs every block and the tail uncompiled from now on (the
@@ -676,8 +684,7 @@ class Blocks:
             # argument compile cannot take) fails before running anything;
             # running the block uncompiled raises any error of its own again.
             self.uncompiled[i] = one_line(e)
-            self._fwd.pop(i, None)
-            self._bwd.pop(i, None)
+            self.fns.discard(lambda name: name in (("fwd", i), ("bwd", i)))
             return None
 
     def forward(self, i: int, h: mx.array, call, key=None, link: Optional[carry.Link] = None):
@@ -688,10 +695,10 @@ class Blocks:
         with keyed_dropout(layer, key) as drops:
             if drops or not self.compile or i in self.uncompiled:
                 return run_linked(layer, h, call, link)
-        if i not in self._fwd:
-            shapes = self._extras
-            carries = link.carries if link is not None else None  # (not the link: its values are this call's)
+        shapes = self._extras
+        carries = link.carries if link is not None else None  # (not the link: its values are this call's)
 
+        def make():
             def fwd(h, params, values, args, kwargs):
                 layer.update(params)
                 c = carries.fill(i, (args, kwargs), values) if carries is not None else (args, kwargs)
@@ -704,12 +711,14 @@ class Blocks:
                 shapes[i] = carry.template(extras, inputs)
                 return [out, *carry.new_arrays(extras, inputs)]
 
-            self._fwd[i] = mx.compile(fwd)
+            return fwd
+
+        fn = self.fns.get(tuple(h.shape), ("fwd", i), make)
         params = layer.parameters()
         values = link.values if link is not None else []
         bare = link.carries.strip(i, call) if link is not None else call
         try:
-            out = self._compiled(i, self._fwd[i], h, params, values, *bare)
+            out = self._compiled(i, fn, h, params, values, *bare)
         finally:
             layer.update(params)  # tracing left tracers in the module
         if out is None:
@@ -727,25 +736,27 @@ class Blocks:
             if drops or not self.compile or i in self.uncompiled:
                 return block_vjp(layer, h, call, cotangent, link, extra_cots)
         names = _trainable_names(layer)
-        if i not in self._bwd:
-            # (Not the link: its values and seeds are this call's.)
-            carries = link.carries if link is not None else None
-            keep = link.keep if link is not None else ()
-            learn = link.learns() if link is not None else ()
+        # (Not the link: its values and seeds are this call's.)
+        carries = link.carries if link is not None else None
+        keep = link.keep if link is not None else ()
+        learn = link.learns() if link is not None else ()
 
+        def make():
             def bwd(h, params, cotangent, values, extra_cots, seeds, args, kwargs):
                 layer.update(params)
                 lk = None if carries is None else carry.Link(carries, i, values, keep, learn, seeds)
                 g_h, g_p, g_c = block_vjp(layer, h, (args, kwargs), cotangent, lk, extra_cots)
                 return g_h, [g_p[n] for n in names], g_c
 
-            self._bwd[i] = mx.compile(bwd)
+            return bwd
+
+        fn = self.fns.get(tuple(h.shape), ("bwd", i), make)
         params = layer.parameters()
         values = link.values if link is not None else []
         seeds = link.seeds if link is not None and link.seeds is not None else [None] * len(values)
         bare = link.carries.strip(i, call) if link is not None else call
         try:
-            out = self._compiled(i, self._bwd[i], h, params, cotangent, values, list(extra_cots), seeds, *bare)
+            out = self._compiled(i, fn, h, params, cotangent, values, list(extra_cots), seeds, *bare)
         finally:
             layer.update(params)
         if out is None:

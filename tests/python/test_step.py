@@ -231,11 +231,11 @@ def test_blocks_stop_compiling_once_with_the_same_bits(models, tmp_path):
     blocks = S.Blocks(model)
     mbs = [S.MicroBatch.from_batch(*batch)]
     before = S.paged_value_and_grad(model, w, mbs, blocks=blocks, tail_start=3)
-    assert blocks._fwd and blocks._bwd
+    assert {n[0] for n in blocks.fns.names()} == {"fwd", "bwd", "tail"}
     assert blocks.stop_compiling() and not blocks.stop_compiling()
-    assert not blocks._fwd and not blocks._bwd and not blocks.compile and not blocks.tail.compile
+    assert not blocks.fns and not blocks.compile and not blocks.tail.compile
     after = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=3)
-    assert not blocks._fwd and not blocks.tail._fns
+    assert not blocks.fns
     assert before[0][0].item() == after[0][0].item()
     assert not A.bitwise_mismatches(before[2], after[2])
 
@@ -274,7 +274,7 @@ def test_dropping_the_compiled_graphs_gives_their_memory_back_with_the_same_bits
     again = run()
     grown = outside() - base
     assert blocks.drop_compiled() and not blocks.drop_compiled()
-    assert not blocks._fwd and not blocks._bwd and blocks.compile  # built again when next used
+    assert not blocks.fns and blocks.compile  # built again when next used
     freed = base + grown - outside()
     # (ASan's allocator keeps freed memory in quarantine: no RSS comes back.)
     if "libasan" not in os.environ.get("LD_PRELOAD", ""):
@@ -362,7 +362,7 @@ def test_a_held_tail_is_compiled_and_bitwise_mlx_lm_at_every_start(models, tmp_p
         ]
         # compiled, and only the current start's: the graphs of a start the
         # run moved on from are let go of (Blocks.drop_compiled)
-        assert blocks.tail.uncompiled is None and [k[0] for k in blocks.tail._fns] == [s]
+        assert blocks.tail.uncompiled is None and [n[1] for n in blocks.fns.names() if n[0] == "tail"] == [s]
 
 
 def test_a_held_tail_falls_back_to_streaming_when_the_budget_shrank(models, tmp_path):
@@ -556,7 +556,7 @@ def test_a_streamed_tail_is_compiled_and_bitwise_step_after_step(
         reads = after["pages_read"] - before["pages_read"]
         assert reads == L if dora else L + (L - first) - 2 <= reads <= L + (L - first), reads
     assert blocks.tail.uncompiled is None
-    assert [k[2] for k in blocks.tail._fns] == [True], "one compiled streamed tail"
+    assert [n[3] for n in blocks.fns.names() if n[0] == "tail"] == [True], "one compiled streamed tail"
     assert b0[0].shape != b1[0].shape
     assert len(traced) == 2, "traced once per batch shape, replayed otherwise"
 
