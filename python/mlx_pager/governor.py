@@ -6,12 +6,16 @@ the OS charges) after every block and, when it nears the budget, climbs a
 ladder of remedies, cheapest first, the way an OS reclaims before it kills:
 
   1. cache        free MLX's buffer cache (memory MLX keeps for reuse);
-  2. readahead    stop reading ahead (no new frames for pages not yet due);
-  3. page budget  shrink the page budget: evicts pages nobody holds;
-  4. (training)   raise MemoryPressure: the step is abandoned and run again
-                  with a placement that needs less (loop.py): a shorter
-                  no-recompute tail, then the batch split into more parts;
-  5. stop         nothing smaller fits: the run saves its adapters and stops,
+  2. graphs       let go of the compiled graphs of input shapes other than
+                  the one in use (compiled.py: a shape met again is traced
+                  again), and give the heap back;
+  3. readahead    stop reading ahead (no new frames for pages not yet due);
+  4. page budget  shrink the page budget: evicts pages nobody holds;
+  5. (training)   raise MemoryPressure: the step is abandoned and run again
+                  with what needs less (loop.py): no compiled graphs held,
+                  a shorter no-recompute tail, the batch split into more
+                  parts, the blocks uncompiled;
+  6. stop         nothing smaller fits: the run saves its adapters and stops,
                   naming the budget that would fit.
 
 Every rung taken is recorded (``rungs``: what, when, the RSS) and shown by
@@ -126,6 +130,9 @@ class Governor:
     peak_rss: int = 0
     on_rung: Optional[Callable[[dict], None]] = None  # told of each rung as it is taken
     min_page_budget: int = 0  # the pages the current placement must hold together
+    # Lets go of the compiled graphs of shapes not in use (step.Blocks.drop_stale);
+    # True where it let go of some.
+    drop_stale_graphs: Optional[Callable[[], bool]] = None
     _readahead_off: bool = False
 
     def __post_init__(self):
@@ -191,6 +198,18 @@ class Governor:
         if rss <= limit:
             self._rung("cache", rss, f"cleared MLX cache at {format_size(rss)}")
             return
+        if self.drop_stale_graphs is not None and self.drop_stale_graphs():
+            release_heap()
+            after = process_rss()
+            self._rung(
+                "graphs",
+                rss,
+                f"process at {format_size(rss)}: let go of the compiled graphs of other shapes "
+                f"({format_size(max(0, rss - after))} back)",
+            )
+            rss = after
+            if rss <= limit:
+                return
         set_readahead = getattr(self.pager, "set_readahead", None)
         if set_readahead is not None and not self._readahead_off:
             self._readahead_off = True

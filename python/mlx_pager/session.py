@@ -768,6 +768,8 @@ def open_session(
     gov = Governor(plan, weights.pager, pinned_bytes=weights.page_charge_bound(weights.resident_id))
     weights.pin_resident()
     uncompiled_tail = jit.tail_compile_refused(plan.budget)
+    blocks = step.Blocks(model, compile_tail=uncompiled_tail is None)
+    gov.drop_stale_graphs = blocks.drop_stale
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)
     session = Session(
@@ -777,7 +779,7 @@ def open_session(
         weights=weights,
         plan=plan,
         gov=gov,
-        blocks=step.Blocks(model, compile_tail=uncompiled_tail is None),
+        blocks=blocks,
         first_trained=first,
         **simulated_pages(weights),
         seq_len=seq_len,

@@ -54,6 +54,26 @@ def test_stops_with_the_memory_needed_when_no_page_fits():
     assert [r["rung"] for r in gov.rungs] == ["page_budget"]
 
 
+def test_lets_go_of_other_shapes_graphs_before_it_takes_pages():
+    """The `graphs` rung (compiled.py): memory outside MLX that the
+    compiled graphs of other input shapes hold goes back before any page
+    does; where there is none left to let go of, the pages give."""
+    import numpy as np
+
+    held = [np.ones(96 << 20, dtype=np.uint8)]  # what the stale graphs hold, touched
+    rss = process_rss()
+    p = plan(budget=rss - (8 << 20), page_budget=(rss - (8 << 20)) // 2, max_page=1 << 20)
+    pager = FakePager()
+    gov = Governor(p, pager, pinned_bytes=0, margin=1 << 20)
+    gov.drop_stale_graphs = lambda: bool(held) and held.pop() is not None
+    gov.check()
+    assert [r["rung"] for r in gov.rungs] == ["graphs"]
+    assert pager.budget == p.page_budget and process_rss() <= p.budget - (1 << 20)
+    gov.lower_budget(process_rss() - (8 << 20))
+    gov.check()  # no other shape held: the pages give
+    assert [r["rung"] for r in gov.rungs] == ["graphs", "budget", "page_budget"]
+
+
 def test_quiet_when_under_budget():
     p = plan(budget=process_rss() + (1 << 30), page_budget=256 << 20)
     pager = FakePager()
