@@ -226,6 +226,31 @@ def test_cheap_rungs_come_first_and_change_nothing(deep_model, ladder_data, tmp_
     assert [r["rung"] for r in report if r["type"] == "governor" and r["rung"] != "budget"] == names
 
 
+def test_other_shapes_graphs_go_before_any_page(ladder_model, tmp_path):
+    """Batches of several lengths, each length's compiled graphs kept
+    (compiled.py), then a budget a few MB under the process: the graphs of
+    the shapes not in use go back first (`graphs`), before readahead or any
+    page, and the adapters are the unforced run's bits."""
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    varied = [{"text": " ".join(r["text"] for r in recs[i : i + 1 + i % 4])} for i in range(40)]  # 1-4 records each
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", varied)
+    kw = dict(batch_size=1, num_layers=2, iters=6)
+    _, unforced = ladder_run(ladder_model, data, tmp_path / "unforced", **kw)
+
+    def target(s):
+        assert len(s.blocks.fns.shapes()) > 1, "several lengths met"
+        rss = process_rss()
+        return rss + s.gov.margin_for(rss) - (4 << 20)
+
+    res, ad = ladder_run(ladder_model, data, tmp_path / "squeezed", cb=Squeeze(5, target), **kw)
+    names = rung_names(res)
+    assert "graphs" in names, names
+    assert names.index("graphs") < min((names.index(n) for n in ("readahead", "page_budget") if n in names), default=99)
+    assert not {"recompile", "recompute", "spill", "split", "uncompile"} & set(names), names
+    same(unforced, ad, exact=True)
+
+
 def _need(s, **kw):
     p = placement.evaluate(s.shape, s.sizes, **kw)
     return s.plan.fixed_without_activations + p.need
