@@ -121,9 +121,11 @@ class Tail:
     replay of the trace reads the same pages in the same order, after the
     new step's arrays. The Python that builds the graph (Stream.enter, the
     custom vjps) runs only when MLX traces: once per start, input shapes
-    and constant arguments (the blocks' call arguments); `_stream` is the
+    and constant arguments (the blocks' call arguments); `_stream[0]` is the
     current step's Stream (None for a held tail), for a retrace that a new
-    batch shape starts. Bench compute shape, paired runs: 1.98-2.07 s a step
+    batch shape starts (a list the compiled functions share, not the Tail:
+    a function that referred to the Tail would make a cycle, freed only by
+    Python's cycle collector, with the model's arrays in it). Bench compute shape, paired runs: 1.98-2.07 s a step
     compiled against 2.11-2.21 s uncompiled with room for 2 or 4 of 8
     blocks, 2.10 against 2.15 s with 0.8 (the one-page budget waits a little
     longer for reads).
@@ -143,7 +145,7 @@ class Tail:
         # ("tail", start, chunk_bytes, streamed): the blocks' (step.Blocks),
         # so that a shape's go together.
         self.fns = fns if fns is not None else CompiledShapes()
-        self._stream = None  # the Stream a streamed trace builds its reads from (None: held)
+        self._stream = [None]  # the Stream a streamed trace builds its reads from (None: held)
         self.uncompiled: Optional[str] = None  # why mx.compile failed
 
     def value_and_grad(
@@ -160,14 +162,14 @@ class Tail:
         # A placement the run has moved on from: its graphs go (MLX keeps
         # them with the function, compiled.py).
         self.fns.discard(lambda name: name[0] == "tail" and name[1] != start)
-        model, tail = self.model, self
+        model, current = self.model, self._stream
         carries = mb.carries  # the model's, the same for every batch
 
         def make():
             def compiled(h, inputs, targets, mask, norm, calls, values):
                 m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm, carries=carries)
                 return tail_value_and_grad(
-                    model, start, m, h, [None] * len(keys), chunk_bytes, tail._stream, dict(zip(refs, values))
+                    model, start, m, h, [None] * len(keys), chunk_bytes, current[0], dict(zip(refs, values))
                 )
 
             return compiled
@@ -177,7 +179,7 @@ class Tail:
         # a scaled RoPE's _freqs) for a tracer, and swaps them back only when
         # the trace succeeds.
         before = tree_flatten(self.model.state)
-        self._stream = stream
+        self._stream[0] = stream
         try:
             calls = carry.strip_all(mb.carries, mb.calls) if mb.carries else mb.calls  # no placeholders into mx.compile
             return fn(h, mb.inputs, mb.targets, mb.mask, mb.norm, calls, [entering[r] for r in refs])
@@ -189,7 +191,7 @@ class Tail:
             self.fns.discard(lambda name: name[0] == "tail")
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)
         finally:
-            self._stream = None
+            self._stream[0] = None
 
 
 def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, chunk_bytes: int) -> int:

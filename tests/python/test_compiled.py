@@ -154,3 +154,27 @@ def test_the_governor_s_rung_keeps_the_shape_in_use(models, tmp_path, monkeypatc
     assert not traces, "the shape in use replays its graphs"
     assert again[0][0].item() == outs[-1][0][0].item()
     assert not A.bitwise_mismatches(again[2], outs[-1][2])
+
+
+def test_a_compiled_tail_is_freed_without_the_cycle_collector(models, tmp_path):
+    """The tail's compiled function refers to what it shares with the Tail,
+    not to the Tail: a Blocks let go of (or a shape dropped) frees its
+    functions, and the model's arrays they hold, when the last reference
+    goes, not whenever Python's cycle collector next runs (which, inside a
+    measured block, lowered the measurement: test_step)."""
+    import weakref
+
+    path = models("llama", None)
+    (batch,) = batches(path, 1, batch_size=2)
+    model, w = paged(path, 3, "in_place", tmp_path)
+    blocks = S.Blocks(model)
+    out = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], blocks=blocks, tail_start=3)
+    mx.eval(out)
+    assert "tail" in {n[0] for n in blocks.fns.names()}
+    gc.disable()
+    try:
+        tail = weakref.ref(blocks.tail)
+        del blocks
+        assert tail() is None
+    finally:
+        gc.enable()
