@@ -29,6 +29,7 @@ It also caps MLX's own buffer cache and memory limit at the start, and
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -199,6 +200,7 @@ class Governor:
             self._rung("cache", rss, f"cleared MLX cache at {format_size(rss)}")
             return
         if self.drop_stale_graphs is not None and self.drop_stale_graphs():
+            gc.collect()  # (what a cycle still holds)
             release_heap()
             after = process_rss()
             self._rung(

@@ -35,6 +35,7 @@ the backward hands the consumer's cotangents for them to the producer.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 from contextlib import contextmanager
@@ -921,6 +922,7 @@ def paged_value_and_grad(
       "carried": (bytes, rows, length, count) of the carries the first
                micro-batch kept through the step (carry.py).
     """
+    _resume_gc()  # (a measurement an exception cut short)
     L = len(model.layers)
     first = first_trained_block(model)
     s_tail = L if tail_start is None else max(first, min(L, tail_start))
@@ -1124,11 +1126,32 @@ def _pages_read(weights, before: tuple) -> int:
     return sum(max(0, now - then) for now, then in zip(_page_bytes(weights), before))
 
 
+_GC_PAUSED = False  # _measure_start paused the cycle collector
+
+
+def _resume_gc() -> None:
+    global _GC_PAUSED
+    if _GC_PAUSED:
+        _GC_PAUSED = False
+        gc.enable()
+
+
 def _measure_start(probe: Optional[dict]) -> Optional[int]:
     """Starts measuring a peak: MLX's active memory now (None: no probe).
-    The step's peak so far is kept in probe["peak"] before the reset."""
+    The step's peak so far is kept in probe["peak"] before the reset.
+
+    Python's cycle collector waits until _measure_end: arrays it frees
+    inside the window (cyclic garbage that holds them: an earlier model's
+    compiled tail, a failed try's frames) lower the memory under the
+    start, and a peak over the start less them under-counts the block (CI,
+    after 400 tests: a recomputed block measured 0 bytes). A window an
+    exception left open is closed at the next step's start."""
+    global _GC_PAUSED
     if probe is None:
         return None
+    if gc.isenabled():
+        gc.disable()
+        _GC_PAUSED = True
     probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
     mx.reset_peak_memory()
     return mx.get_active_memory()
@@ -1136,6 +1159,7 @@ def _measure_start(probe: Optional[dict]) -> Optional[int]:
 
 def _measure_end(probe: dict, base: int) -> int:
     peak = mx.get_peak_memory()
+    _resume_gc()
     probe["peak"] = max(probe.get("peak", 0), peak)
     return max(0, peak - base)
 

@@ -585,6 +585,44 @@ def test_a_split_batch_adds_up_to_the_whole(models, tmp_path, parts):
     assert probe["peak"] >= max(probe["tail"][0], probe["block"][0])
 
 
+def test_the_cycle_collector_does_not_lower_a_measured_peak(models, tmp_path, monkeypatch):
+    """Cyclic garbage holding arrays (an earlier model's, a failed try's),
+    freed by Python's cycle collector while a block's peak is measured,
+    lowered the memory under the measurement's start: CI measured a
+    recomputed block at 0 bytes. The collector waits for the window to end
+    (here it runs in each block's vjp where it is enabled, as it may at any
+    allocation), and is enabled again after it."""
+    import gc
+
+    path = models("llama", None)
+    (batch, lengths) = batches(path, 1, batch_size=2)[0]
+    model, w = paged(path, 3, "in_place", tmp_path)
+    vjp = S.Blocks.vjp
+
+    def collecting(self, *a, **k):
+        if gc.isenabled():
+            gc.collect()
+        return vjp(self, *a, **k)
+
+    monkeypatch.setattr(S.Blocks, "vjp", collecting)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1 << 30)  # no collection but the one above
+    try:
+        garbage = [mx.zeros((64 << 20) // 4)]  # 64 MB in a cycle
+        garbage.append(garbage)
+        mx.eval(garbage[0])
+        del garbage
+        probe = {}
+        S.paged_value_and_grad(
+            model, w, [S.MicroBatch.from_batch(batch, lengths)], tail_start=len(model.layers) - 1, probe=probe
+        )
+    finally:
+        gc.set_threshold(*threshold)
+    assert gc.isenabled()
+    assert probe["block"][0] > 0, probe["block"]
+    gc.collect()
+
+
 def test_spilled_checkpoints_come_back_bitwise(models, tmp_path):
     """Checkpoints written to the SSD after the forward sweep and read back
     through the pager in the backward sweep (spill.py): the same bits as
