@@ -50,9 +50,9 @@ class CompiledShapes:
         self._shapes: "OrderedDict[Tuple, Dict[Hashable, object]]" = OrderedDict()
         self.dropped = 0  # shapes let go of since the start (all of them: traced again if met)
 
-    def get(self, shape: Tuple, name: Hashable, make: Callable[[], Callable], **compile_args):
-        """The compiled function `name` for `shape`: mx.compile(make(),
-        **compile_args), made on first use; the shape becomes the most
+    def get(self, shape: Tuple, name: Hashable, fn: Callable, **compile_args):
+        """The compiled function `name` for `shape`, made on first use from
+        `fn` (mx.compile(fn, **compile_args)); the shape becomes the most
         recently used."""
         fns = self._shapes.get(shape)
         if fns is None:
@@ -62,10 +62,10 @@ class CompiledShapes:
                 self.dropped += 1
         else:
             self._shapes.move_to_end(shape)
-        fn = fns.get(name)
-        if fn is None:
-            fn = fns[name] = mx.compile(_own(make()), **compile_args)
-        return fn
+        compiled = fns.get(name)
+        if compiled is None:
+            compiled = fns[name] = mx.compile(_own(fn), **compile_args)
+        return compiled
 
     def names(self):
         """The names held, over every shape (each once)."""
@@ -93,7 +93,7 @@ class CompiledShapes:
 
     def clear(self) -> bool:
         """Lets go of every function; False where none was held."""
-        held = any(self._shapes.values())
+        held = bool(self)
         self.dropped += len(self._shapes)
         self._shapes.clear()
         return held

@@ -165,16 +165,13 @@ class Tail:
         model, current = self.model, self._stream
         carries = mb.carries  # the model's, the same for every batch
 
-        def make():
-            def compiled(h, inputs, targets, mask, norm, calls, values):
-                m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm, carries=carries)
-                return tail_value_and_grad(
-                    model, start, m, h, [None] * len(keys), chunk_bytes, current[0], dict(zip(refs, values))
-                )
+        def compiled(h, inputs, targets, mask, norm, calls, values):
+            m = step.MicroBatch(inputs, targets, mask, norm, calls=calls, norm=norm, carries=carries)
+            return tail_value_and_grad(
+                model, start, m, h, [None] * len(keys), chunk_bytes, current[0], dict(zip(refs, values))
+            )
 
-            return compiled
-
-        fn = self.fns.get(tuple(h.shape), ("tail", start, chunk_bytes, streamed), make, inputs=[model.state])
+        fn = self.fns.get(tuple(h.shape), ("tail", start, chunk_bytes, streamed), compiled, inputs=[model.state])
         # mx.compile swaps every array of model.state (private ones too, e.g.
         # a scaled RoPE's _freqs) for a tracer, and swaps them back only when
         # the trace succeeds.

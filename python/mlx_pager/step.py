@@ -699,22 +699,19 @@ class Blocks:
         shapes = self._extras
         carries = link.carries if link is not None else None  # (not the link: its values are this call's)
 
-        def make():
-            def fwd(h, params, values, args, kwargs):
-                layer.update(params)
-                c = carries.fill(i, (args, kwargs), values) if carries is not None else (args, kwargs)
-                if not keep:
-                    return run_block(layer, h, c)
-                out, extras = run_block(layer, h, c, keep)
-                # A compiled function returns arrays only, and a copy of an
-                # input it passes through: the template keeps both apart.
-                inputs = carry.array_leaves(values)
-                shapes[i] = carry.template(extras, inputs)
-                return [out, *carry.new_arrays(extras, inputs)]
+        def fwd(h, params, values, args, kwargs):
+            layer.update(params)
+            c = carries.fill(i, (args, kwargs), values) if carries is not None else (args, kwargs)
+            if not keep:
+                return run_block(layer, h, c)
+            out, extras = run_block(layer, h, c, keep)
+            # A compiled function returns arrays only, and a copy of an
+            # input it passes through: the template keeps both apart.
+            inputs = carry.array_leaves(values)
+            shapes[i] = carry.template(extras, inputs)
+            return [out, *carry.new_arrays(extras, inputs)]
 
-            return fwd
-
-        fn = self.fns.get(tuple(h.shape), ("fwd", i), make)
+        fn = self.fns.get(tuple(h.shape), ("fwd", i), fwd)
         params = layer.parameters()
         values = link.values if link is not None else []
         bare = link.carries.strip(i, call) if link is not None else call
@@ -742,16 +739,13 @@ class Blocks:
         keep = link.keep if link is not None else ()
         learn = link.learns() if link is not None else ()
 
-        def make():
-            def bwd(h, params, cotangent, values, extra_cots, seeds, args, kwargs):
-                layer.update(params)
-                lk = None if carries is None else carry.Link(carries, i, values, keep, learn, seeds)
-                g_h, g_p, g_c = block_vjp(layer, h, (args, kwargs), cotangent, lk, extra_cots)
-                return g_h, [g_p[n] for n in names], g_c
+        def bwd(h, params, cotangent, values, extra_cots, seeds, args, kwargs):
+            layer.update(params)
+            lk = None if carries is None else carry.Link(carries, i, values, keep, learn, seeds)
+            g_h, g_p, g_c = block_vjp(layer, h, (args, kwargs), cotangent, lk, extra_cots)
+            return g_h, [g_p[n] for n in names], g_c
 
-            return bwd
-
-        fn = self.fns.get(tuple(h.shape), ("bwd", i), make)
+        fn = self.fns.get(tuple(h.shape), ("bwd", i), bwd)
         params = layer.parameters()
         values = link.values if link is not None else []
         seeds = link.seeds if link is not None and link.seeds is not None else [None] * len(values)

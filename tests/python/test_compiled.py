@@ -25,13 +25,10 @@ class Traced:
         self.traces += 1
         return mx.exp(x) * 2 + 1
 
-    def make(self):
-        return self  # one function object for every shape
-
 
 def call(fns, f, n):
     x = mx.arange(n, dtype=mx.float32)
-    y = fns.get((n,), "f", f.make)(x)
+    y = fns.get((n,), "f", f)(x)
     assert mx.array_equal(y, mx.exp(x) * 2 + 1).item()
 
 
@@ -51,8 +48,8 @@ def test_a_shape_beyond_keep_lets_go_of_the_least_recently_used():
 def test_letting_go_of_one_shape_keeps_the_others_graphs():
     """MLX keys its compile cache by the Python function: two compiled
     wrappers of one function share a cache, and freeing one erases it for
-    the other. Each shape's function is its own, so `make` may return the
-    same function for every shape."""
+    the other. Each shape's function is its own, so one function may be given
+    for every shape."""
     shared = Traced()
     a, b = mx.compile(shared), mx.compile(shared)
     x = mx.ones((3,))
@@ -78,7 +75,7 @@ def test_discard_and_clear():
     x = mx.ones((2,))
     for name in ("a", "b"):
         for n in (2, 3):
-            fns.get((n,), name, f.make)(x)
+            fns.get((n,), name, f)(x)
     fns.discard(lambda name: name == "a")
     assert fns.names() == ["b"]
     assert fns.clear() and not fns and not fns.clear()
