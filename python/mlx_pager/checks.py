@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def check_flags(args) -> None:
         raise ValueError(
             f"--max-seq-length must be at least 2 (one input and one target token), not {args.max_seq_length}"
         )
+    lora = getattr(args, "lora_parameters", None)
+    if lora is not None:
+        # mlx-lm's linear_to_lora_layers reads each of these (a config's
+        # lora_parameters replaces mlx-lm's defaults whole).
+        if not isinstance(lora, dict):
+            raise ValueError(f"lora_parameters must be a mapping (rank, scale, dropout), not {lora!r}")
+        missing = [k for k in ("rank", "scale", "dropout") if k not in lora]
+        if missing:
+            raise ValueError(
+                f"lora_parameters lacks {', '.join(missing)}: give rank, scale and dropout "
+                "(mlx-lm's defaults are rank 8, scale 20.0, dropout 0.0)"
+            )
     parts = getattr(args, "page_parts", 1)
     if parts != "auto" and (not isinstance(parts, int) or parts < 1):
         raise ValueError(f"--page-parts must be 'auto', 1 (one page per block) or more, not {parts}")
@@ -87,8 +100,18 @@ def _physical_memory() -> int:
         return 0
 
 
-def looks_like_path(model: str) -> bool:
-    return model.startswith(("/", "./", "../", "~")) or model.count("/") != 1 or Path(model).suffix != ""
+# A Hugging Face repo id, as huggingface_hub's validate_repo_id allows one:
+# owner/name of letters, digits, '-', '_' and '.', each starting and ending
+# with a letter, digit or '_' (so a dotted name such as
+# mlx-community/Llama-3.2-1B-Instruct-4bit is an id, not a path).
+_REPO_ID = re.compile(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]{0,94}\w)?")
+
+
+def looks_like_path(name: str) -> bool:
+    """True where `name` (a --model or --data) cannot be a Hugging Face repo
+    id, so a missing directory of that name is an error here, not a hub
+    download for mlx-lm."""
+    return not _REPO_ID.fullmatch(name) or ".." in name or "--" in name or name.endswith(".git")
 
 
 def check_model(model: str) -> None:
@@ -178,7 +201,10 @@ def check_data(args) -> None:
         n = check_jsonl(f)
         if n == 0 and name in need:
             raise ValueError(f"{f} has no records: write one JSON object per line")
-        if name == "train" and args.train and n < args.batch_size:
+        # mlx-lm's batches need batch_size records: training's, each
+        # validation's (valid.jsonl is optional) and --test's.
+        used = name in need or (name == "valid" and args.train and n > 0)
+        if used and n < args.batch_size:
             raise ValueError(
                 f"{f} has {n} records, fewer than --batch-size {args.batch_size}: lower --batch-size or add data"
             )

@@ -66,6 +66,40 @@ def test_bad_data_files(capsys, model, tmp_path, records, expected):
     assert str(d / "train.jsonl") in err
 
 
+@pytest.mark.parametrize("name, lines, flags", [("valid", 1, []), ("test", 1, ["--test"])])
+def test_a_validation_or_test_set_smaller_than_a_batch_is_refused_before_training(
+    capsys, model, tmp_path, name, lines, flags
+):
+    """mlx-lm's batches need --batch-size records: found only at the first
+    validation, or (--test) after the whole training."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in ("train", "valid", "test"):
+        (d / f"{f}.jsonl").write_text((json.dumps({"text": "hello there"}) + "\n") * (lines if f == name else 4))
+    rc, err = lora(capsys, *base(model, tmp_path, d), "--batch-size", 2, *flags)
+    assert rc == 2 and f"{name}.jsonl has 1 records, fewer than --batch-size 2" in one_line(err)
+    assert not (tmp_path / "a").exists()
+
+
+def test_hub_ids_with_dots_are_ids_and_paths_are_paths():
+    from mlx_pager.checks import check_model, looks_like_path
+
+    for repo in ("mlx-community/Llama-3.2-1B-Instruct-4bit", "Qwen/Qwen2.5-0.5B", "owner/name"):
+        assert not looks_like_path(repo), repo
+        check_model(repo)  # left to mlx-lm (the hub), not refused here
+    for path in ("/m", "./m", "../m", "~/m", "m", "a/b/c", ".x/m", "a/m.git", "a--b/m", "a/-m", "a/m."):
+        assert looks_like_path(path), path
+        with pytest.raises(FileNotFoundError, match="no such directory"):
+            check_model(path)
+
+
+def test_lora_parameters_without_a_key_are_refused(capsys, model, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lora_parameters:\n  rank: 4\n  dropout: 0.0\n")
+    rc, err = lora(capsys, *base(model, tmp_path), "-c", cfg)
+    assert rc == 2 and "lora_parameters lacks scale" in one_line(err)
+
+
 def test_missing_data_dir_and_model_dir(capsys, model, tmp_path):
     rc, err = lora(capsys, *base(model, tmp_path, tmp_path / "nodata"))
     assert rc == 2 and "--data" in one_line(err) and "no such directory" in err
