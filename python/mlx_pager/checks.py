@@ -215,6 +215,10 @@ def check_args(args) -> None:
     check_flags(args)
     check_model(str(args.model))
     check_data(args)
+    if getattr(args, "resume", False) and args.train:
+        from . import resume
+
+        resume.check(args.adapter_path, args)
 
 
 def check_blocks_unpatched(model) -> None:

@@ -144,7 +144,7 @@ def _lora_parser() -> argparse.ArgumentParser:
         default=None,
         help="Continue exactly where the last run in --adapter-path stopped (its resume_state."
         "safetensors: adapters, optimizer state, schedule and data position), e.g. after "
-        "Ctrl-C, a kill or a crash, or with a larger --iters.",
+        "Ctrl-C, a kill or a crash, or with a larger --iters (as one run of that many iterations).",
     )
     return parser
 

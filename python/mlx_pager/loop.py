@@ -396,18 +396,20 @@ def train(
     pager = weights.pager
     names = [n for n, _ in tree_flatten(model.trainable_parameters())]
 
-    def is_val_point(j: int, iters: int = args.iters) -> bool:
-        return val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == iters)
+    def is_val_point(j: int) -> bool:
+        return val_set is not None and (j == 1 or j % args.steps_per_eval == 0 or j == args.iters)
 
     it = 0
     if resumed is not None:
         # Replay the draws from NumPy's generator up to the iteration reached:
         # each batch, and the first batch of each validation pass.
-        it = min(resumed["iteration"], args.iters)
+        it = resumed["iteration"]  # at most args.iters (resume.check)
         for j in range(1, it + 1):
             next(batches)
-            # as the run that saved the state drew them (its --iters may be smaller)
-            if is_val_point(j, resumed.get("iters", args.iters)):
+            # as this run draws them: a finished run continued with a larger
+            # --iters draws as one run of the larger --iters (not the
+            # validation at the smaller one's end)
+            if is_val_point(j):
                 next(
                     iterate_batches(
                         dataset=val_set,

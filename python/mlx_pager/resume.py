@@ -68,7 +68,6 @@ def save(adapter_path: Path, model, optimizer, iteration: int, args, reports: di
     arrays.update({f"optimizer.{k}": v for k, v in tree_flatten(optimizer.state)})
     meta = {
         "iteration": iteration,
-        "iters": args.iters,  # the validation at the last iteration draws from NumPy too
         "key": _digest(trajectory_key(args)),
         "options": trajectory_key(args),
         "reports": reports,
@@ -85,20 +84,35 @@ class ResumeError(ValueError):
     """The resume state cannot be used for this run; the message says why."""
 
 
-def load(adapter_path: Path, model, optimizer, args) -> dict:
-    """Puts the saved adapters and optimizer state into `model` and
-    `optimizer`; returns the metadata (iteration, reports)."""
+def _read_metadata(path: Path) -> dict:
+    """The resume metadata of `path`, from the safetensors header alone (8
+    bytes of length, then JSON): no array is read."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= 100 << 20:
+                raise ValueError(f"a header of {n} bytes")
+            header = json.loads(f.read(n))
+        meta = json.loads(header["__metadata__"]["mlx_pager_resume"])
+        int(meta["iteration"]), meta["key"], meta["options"]
+        return meta
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ResumeError(
+            f"--resume: {path} is not a readable resume state ({e!r}); delete it to start afresh"
+        ) from None
+
+
+def check(adapter_path, args) -> dict:
+    """The metadata of adapter_path's resume state, where this run can
+    continue it (checks.check_args, before anything is loaded or written);
+    a ResumeError naming the problem and the fix where it cannot."""
     path = Path(adapter_path) / STATE_FILE
     if not path.exists():
         raise ResumeError(
             f"--resume: {path} does not exist: resume needs the --adapter-path of a run that saved "
             "a checkpoint (--save-every) or was interrupted"
         )
-    try:
-        arrays, metadata = mx.load(str(path), return_metadata=True)
-        meta = json.loads(metadata["mlx_pager_resume"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise ResumeError(f"--resume: {path} is not a readable resume state ({e}); delete it to start afresh") from None
+    meta = _read_metadata(path)
     if meta["key"] != _digest(trajectory_key(args)):
         now = trajectory_key(args)
         changed = [k for k in TRAJECTORY_OPTIONS if str(meta["options"].get(k)) != str(now.get(k))]
@@ -106,6 +120,24 @@ def load(adapter_path: Path, model, optimizer, args) -> dict:
             f"--resume: {path} was saved with other options ({', '.join(changed)} differ): "
             "resume with the same options, or train afresh without --resume"
         )
+    if int(meta["iteration"]) > args.iters:
+        raise ResumeError(
+            f"--resume: {path} holds iteration {meta['iteration']}, past --iters {args.iters}: "
+            f"pass --iters {meta['iteration']} or more to continue it, or train afresh in another --adapter-path"
+        )
+    return meta
+
+
+def load(adapter_path: Path, model, optimizer, args) -> dict:
+    """Puts the saved adapters and optimizer state into `model` and
+    `optimizer`; returns the metadata (iteration, reports). Refuses as
+    check() does."""
+    path = Path(adapter_path) / STATE_FILE
+    meta = check(adapter_path, args)
+    try:
+        arrays = mx.load(str(path))
+    except (RuntimeError, ValueError) as e:
+        raise ResumeError(f"--resume: {path} is not a readable resume state ({e}); delete it to start afresh") from None
     adapters = [(k[len("adapters.") :], v) for k, v in arrays.items() if k.startswith("adapters.")]
     model.load_weights(adapters, strict=False)
     state = [(k[len("optimizer.") :], v) for k, v in arrays.items() if k.startswith("optimizer.")]

@@ -169,3 +169,67 @@ def test_resume_with_lora_dropout_draws_the_uninterrupted_run_s_masks(models, da
     a = mx.load(str(tmp_path / "full" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "cut" / "adapters.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_a_finished_run_continued_is_the_longer_run_and_a_shorter_one_is_refused(models, data, tmp_path):
+    """A run of 4 iterations continued with --iters 8 gives the train and
+    validation losses and the adapters of one run of 8: the replay draws
+    NumPy's generator as the run of 8 does, not the validation at the
+    shorter run's end (which would shift the second epoch's batch order and
+    the validation batches). Continuing with fewer iterations than the
+    state holds is refused before anything is loaded or written."""
+    import copy
+    import types
+
+    from mlx_pager.callbacks import PagerCallback
+    from mlx_pager.resume import ResumeError
+    from mlx_pager.trainer import DEFAULTS, run
+
+    class Losses(PagerCallback):
+        def __init__(self):
+            self.train, self.val = {}, {}
+
+        def on_train_loss_report(self, info):
+            self.train[info["iteration"]] = info["train_loss"]
+
+        def on_val_loss_report(self, info):
+            self.val[info["iteration"]] = info["val_loss"]
+
+    base = dict(
+        DEFAULTS,
+        train=True,
+        model=str(models("llama", None)),
+        data=str(data),
+        batch_size=2,
+        num_layers=2,
+        learning_rate=1e-2,
+        steps_per_report=1,
+        steps_per_eval=3,  # validations before 1, 3 and 6, and at the last iteration
+        val_batches=1,
+        # (with seed 0 one more validation's draw happens to leave the next
+        # epoch's order and validation batch as they were; with 1 it does not)
+        seed=1,
+        memory_budget="2GB",
+        quiet=True,
+    )
+
+    def args(name, iters, **kw):
+        return types.SimpleNamespace(**copy.deepcopy(dict(base, adapter_path=str(tmp_path / name), iters=iters, **kw)))
+
+    whole, first, rest = Losses(), Losses(), Losses()
+    run(args("whole", 8), whole)
+    run(args("parts", 4), first)
+    assert 3 in first.val, "the shorter run validated at its end (iteration 4), where the longer one does not"
+    run(args("parts", 8, resume=True), rest)
+    assert {**first.train, **rest.train} == whole.train
+    assert sorted(rest.val) == [5, 7] and all(rest.val[i] == whole.val[i] for i in rest.val)
+    a = mx.load(str(tmp_path / "whole" / "adapters.safetensors"))
+    b = mx.load(str(tmp_path / "parts" / "adapters.safetensors"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+    state = (tmp_path / "parts" / "resume_state.safetensors").read_bytes()
+    config = (tmp_path / "parts" / "adapter_config.json").read_text()
+    with pytest.raises(ResumeError, match="holds iteration 8, past --iters 6: pass --iters 8 or more"):
+        run(args("parts", 6, resume=True))
+    assert (tmp_path / "parts" / "resume_state.safetensors").read_bytes() == state
+    assert (tmp_path / "parts" / "adapter_config.json").read_text() == config
