@@ -429,6 +429,8 @@ def train(
         gov.check()
         cb.on_block(weights, phase, i)
 
+    pending_val = {}  # validation reports by iteration, until their place comes
+
     def validate(j: int):
         """mlx-lm's validation before iteration j (weights within a group do
         not change before its update, so these are the weights it sees)."""
@@ -440,7 +442,15 @@ def train(
             val_loss = evaluate(s, val_set, args.val_batches, cb, advance, on_block)
         val_time = time.perf_counter() - tic
         result.val_losses.append(val_loss)
-        cb.on_val_loss_report({"iteration": j - 1, "val_loss": val_loss, "val_time": val_time})
+        # Reported where mlx-lm reports it, after iteration j - 1's train
+        # report: a window draws (and so validates) before the steps of its
+        # first group, which may hold iterations before j (loggers such as
+        # wandb's drop a step that goes back).
+        pending_val[j] = {"iteration": j - 1, "val_loss": val_loss, "val_time": val_time}
+
+    def report_val(upto: int):
+        for j in sorted(v for v in pending_val if v <= upto):
+            cb.on_val_loss_report(pending_val.pop(j))
 
     def save_state(at: int):
         if world.rank() == 0:
@@ -557,6 +567,7 @@ def train(
             cb.progress_advance(len(group))
 
             for j, loss, ntok in zip(its, step_losses, toks):
+                report_val(j)
                 reports.add(loss, ntok, elapsed / len(group))
                 if j % args.steps_per_report == 0 or j == args.iters:
                     info = reports.take(j, args, optimizer, s, since_report)
@@ -572,6 +583,7 @@ def train(
     except STOPS as e:
         # Stopped mid-step (a signal, the budget, a page that cannot be read):
         # the model holds the weights of the last finished optimizer step.
+        report_val(args.iters)
         save_adapters(model, adapter_file, None, cb)
         save_state(done)
         note = (

@@ -392,10 +392,12 @@ def _prep_progress(cb: PagerCallback, quiet: bool):
 def train_model(args, s, train_set, valid_set, cb: PagerCallback, result: TrainResult) -> Path:
     """mlx_lm.lora's train_model(): writes adapter_config.json, trains,
     saves the adapters (also when the budget runs out mid-run)."""
-    from mlx_lm.utils import save_config
+    from mlx_lm.utils import get_total_parameters, save_config
 
+    # As mlx-lm counts them: the model's own parameters (a quantized
+    # weight's values, not its packed words), the trainable ones apart.
     trainable = sum(v.size for _, v in tree_flatten(s.model.trainable_parameters()))
-    total = sum(v.size for _, v in tree_flatten(s.model.parameters()))
+    total = get_total_parameters(s.model)
     cb.on_message(f"Trainable parameters: {100 * trainable / total:.3f}% ({trainable / 1e6:.3f}M/{total / 1e6:.3f}M)")
     adapter_path = Path(args.adapter_path)
     adapter_path.mkdir(parents=True, exist_ok=True)

@@ -59,13 +59,18 @@ def mlx_lm_train(args, callback):
 
 class Recorder(PagerCallback):
     def __init__(self):
-        self.train, self.val = [], []
+        self.train, self.val, self.order, self.messages = [], [], [], []
+
+    def on_message(self, text):
+        self.messages.append(text)
 
     def on_train_loss_report(self, info):
         self.train.append((info["iteration"], info["train_loss"], info["trained_tokens"]))
+        self.order.append(("train", info["iteration"]))
 
     def on_val_loss_report(self, info):
         self.val.append((info["iteration"], info["val_loss"]))
+        self.order.append(("val", info["iteration"]))
 
 
 def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulation(models, tmp_path):
@@ -118,6 +123,38 @@ def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulati
     for n in names:
         r, g = mx.load(str(tmp_path / "ref" / n)), mx.load(str(tmp_path / "paged" / n))
         assert all(mx.array_equal(r[k], g[k]).item() for k in r), n
+
+
+def test_reports_come_in_mlx_lm_s_order_with_accumulation(models, tmp_path, capsys):
+    """A validation inside a group of k micro-batches runs before the
+    group's steps (it draws from NumPy between two batches), but its report
+    comes where mlx-lm's does: after the train reports of the iterations
+    before it (a logger such as wandb's drops a step that goes back). And
+    the trainable parameters are counted as mlx-lm counts them (a 4-bit
+    weight's values, not its packed words)."""
+    flags = dict(
+        train=True,
+        data=str(SAMPLE),
+        batch_size=2,
+        num_layers=1,
+        iters=5,
+        grad_accumulation_steps=3,
+        steps_per_report=1,
+        steps_per_eval=2,
+        val_batches=1,
+        seed=0,
+    )
+    model = str(models("llama", 4))
+    ref, got = Recorder(), Recorder()
+    a = dict(CONFIG_DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "ref"))
+    mlx_lm_train(types.SimpleNamespace(**copy.deepcopy(a)), ref)
+    counted = [l for l in ANSI.sub("", capsys.readouterr().out).splitlines() if l.startswith("Trainable parameters")]
+    b = dict(DEFAULTS, **flags, model=model, adapter_path=str(tmp_path / "paged"), memory_budget="2GB", quiet=True)
+    paged_run(types.SimpleNamespace(**copy.deepcopy(b)), got)
+    assert [m for m in got.messages if m.startswith("Trainable parameters")] == counted and len(counted) == 1
+    assert got.order == ref.order
+    assert ref.order[:4] == [("val", 0), ("train", 1), ("val", 1), ("train", 2)]
+    assert got.train == ref.train
 
 
 def test_a_split_batch_s_part_without_targets_adds_nothing_to_validation(models, tmp_path):
