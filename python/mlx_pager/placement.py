@@ -146,6 +146,10 @@ class Sizes:
         A measure over fewer tokens than the one kept does not replace it
         (a short batch's per-token figure understates a long one's: fixed
         costs, attention's square)."""
+        if "block_fixed" in probe:
+            # measured (session.open_session: one block on one and on two
+            # sequences); never below the formula's weight copy
+            self.block_fixed = max(self.block_fixed, int(probe["block_fixed"]))
         if "block" in probe:
             nbytes, rows, length = probe["block"]
             if self._longer("block", rows * length):

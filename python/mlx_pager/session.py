@@ -708,6 +708,23 @@ def open_session(
         try:
             used = step.probe_block(model, weights, first, 1, seq_len)
             sizes.learn({"block": (used, 1, seq_len)})
+            # Again on as many sequences as a batch has (as many as fit
+            # beside the least pages; page_budget: nothing caps the memory),
+            # then on one: what does not grow with them is fixed, not per
+            # token (DoRA's dense weight and its adapted copy, a dequantized
+            # weight: on a 4-bit DoRA model ~7x the per-token part at 64
+            # tokens, which planned as per token split the first steps'
+            # batches 4 ways). The line through the two is exact at both
+            # and above the measures between them (each row costs a little
+            # more than the one before). The first probe of a process also
+            # holds one-off memory (~10 MB there), which the last leaves out.
+            room = plan_budget - plan.fixed_without_activations - max_page
+            rows = args.batch_size if args.page_budget is not None else min(args.batch_size, room // max(1, used))
+            if rows > 1:
+                wide = step.probe_block(model, weights, first, rows, seq_len)
+                one = step.probe_block(model, weights, first, 1, seq_len)
+                fixed = (rows * one - wide) // (rows - 1)
+                sizes.learn({"block_fixed": fixed, "block": (wide, rows, seq_len)})
         except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
             say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
         release_heap()

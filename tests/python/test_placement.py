@@ -81,6 +81,20 @@ def test_a_measured_block_replaces_the_formula():
     assert sz.block(1, 128) == 1 * MB + 1 * MB  # the weight copy does not shrink with rows
 
 
+def test_a_measured_fixed_part_is_planned_once_not_per_row():
+    """session.open_session measures a block on one sequence and on a
+    batch's: what does not grow with them (DoRA's dense weights) is fixed."""
+    sz = sizes(block_fixed=1 * MB)
+    sz.learn({"block_fixed": 20 * MB, "block": (36 * MB, 4, 128)})
+    assert sz.block(4, 128) == 36 * MB and sz.block(1, 128) == 24 * MB  # the line through both measures
+    assert sz.block(2, 256) == 20 * MB + 2 * 4 * MB * 2 * 2  # per token, and attention's square
+    sz.learn({"block_fixed": -1 * MB})  # (a measure's noise where nothing is fixed)
+    assert sz.block_fixed == 20 * MB
+    low = sizes(block_fixed=2 * MB)
+    low.learn({"block_fixed": 0})
+    assert low.block_fixed == 2 * MB  # never below the formula's weight copy
+
+
 def test_a_measured_forward_block_sizes_the_sweep_and_not_a_recomputed_block():
     st = shape(footprints=[10 * MB] * 8, first_trained=4)
     sz = sizes(block_fixed=8 * MB)  # the estimate counts a weight copy
