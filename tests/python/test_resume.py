@@ -1,15 +1,21 @@
 """Exact resume: kill -9 at any point, then `--resume`, gives the losses and
 adapters of the uninterrupted run, bit for bit (CPU)."""
 
+import copy
 import json
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import mlx.core as mx
 import pytest
 from conftest import SAMPLE, write_jsonl
+
+from mlx_pager.callbacks import PagerCallback
+from mlx_pager.resume import ResumeError
+from mlx_pager.trainer import DEFAULTS, run
 
 
 def flags(model, data, tmp_path, name, iters=8):
@@ -115,48 +121,60 @@ def test_resume_with_other_options_is_refused(models, data, tmp_path):
     assert missing.returncode == 2 and "resume_state.safetensors does not exist" in missing.stderr
 
 
-def test_resume_with_lora_dropout_draws_the_uninterrupted_run_s_masks(models, data, tmp_path):
-    """LoRA dropout's masks come from MLX's global key sequence
-    (dropout.py): the resume state keeps how many draws the steps took, and
-    the resumed run moves the sequence past them (without that, its masks
-    are those of the run's first steps again)."""
-    import copy
-    import types
+class Losses(PagerCallback):
+    """Train and validation losses by iteration; stops at `stop_at`."""
 
-    from mlx_pager.callbacks import PagerCallback
-    from mlx_pager.trainer import DEFAULTS, run
+    def __init__(self, stop_at=None):
+        self.train, self.val, self.stop_at = {}, {}, stop_at
 
-    class Losses(PagerCallback):
-        def __init__(self, stop_at=None):
-            self.got, self.stop_at = {}, stop_at
+    def on_train_loss_report(self, info):
+        self.train[info["iteration"]] = info["train_loss"]
+        if info["iteration"] == self.stop_at:
+            raise RuntimeError("stopped")
 
-        def on_train_loss_report(self, info):
-            self.got[info["iteration"]] = info["train_loss"]
-            if info["iteration"] == self.stop_at:
-                raise RuntimeError("stopped")
+    def on_val_loss_report(self, info):
+        self.val[info["iteration"]] = info["val_loss"]
 
+
+def api_args(models, data, tmp_path, name, **kw):
+    """PagedTrainer's run() arguments for the 8-record data set."""
     base = dict(
         DEFAULTS,
         train=True,
         model=str(models("llama", None)),
         data=str(data),
-        iters=6,
         batch_size=2,
         num_layers=2,
         learning_rate=1e-2,
         steps_per_report=1,
-        steps_per_eval=100,
         val_batches=1,
-        save_every=1,
-        seed=0,
         memory_budget="2GB",
         ssd_cache_dir=str(tmp_path / "c"),
         quiet=True,
-        lora_parameters={"rank": 8, "scale": 20.0, "dropout": 0.2},
+        adapter_path=str(tmp_path / name),
     )
+    return types.SimpleNamespace(**copy.deepcopy(dict(base, **kw)))
+
+
+def test_resume_with_lora_dropout_draws_the_uninterrupted_run_s_masks(models, data, tmp_path):
+    """LoRA dropout's masks come from MLX's global key sequence
+    (dropout.py): the resume state keeps how many draws the steps took, and
+    the resumed run moves the sequence past them (without that, its masks
+    are those of the run's first steps again)."""
 
     def args(name, **kw):
-        return types.SimpleNamespace(**copy.deepcopy(dict(base, adapter_path=str(tmp_path / name), **kw)))
+        return api_args(
+            models,
+            data,
+            tmp_path,
+            name,
+            iters=6,
+            steps_per_eval=100,
+            save_every=1,
+            seed=0,
+            lora_parameters={"rank": 8, "scale": 20.0, "dropout": 0.2},
+            **kw,
+        )
 
     full = Losses()
     run(args("full"), full)
@@ -164,8 +182,8 @@ def test_resume_with_lora_dropout_draws_the_uninterrupted_run_s_masks(models, da
         run(args("cut"), Losses(stop_at=3))
     resumed = Losses()
     run(args("cut", resume=True), resumed)
-    assert sorted(resumed.got)[-3:] == [4, 5, 6]  # from the last state saved (at 2 or 3)
-    assert all(resumed.got[i] == full.got[i] for i in resumed.got), (resumed.got, full.got)
+    assert sorted(resumed.train)[-3:] == [4, 5, 6]  # from the last state saved (at 2 or 3)
+    assert all(resumed.train[i] == full.train[i] for i in resumed.train), (resumed.train, full.train)
     a = mx.load(str(tmp_path / "full" / "adapters.safetensors"))
     b = mx.load(str(tmp_path / "cut" / "adapters.safetensors"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
@@ -178,43 +196,12 @@ def test_a_finished_run_continued_is_the_longer_run_and_a_shorter_one_is_refused
     shorter run's end (which would shift the second epoch's batch order and
     the validation batches). Continuing with fewer iterations than the
     state holds is refused before anything is loaded or written."""
-    import copy
-    import types
-
-    from mlx_pager.callbacks import PagerCallback
-    from mlx_pager.resume import ResumeError
-    from mlx_pager.trainer import DEFAULTS, run
-
-    class Losses(PagerCallback):
-        def __init__(self):
-            self.train, self.val = {}, {}
-
-        def on_train_loss_report(self, info):
-            self.train[info["iteration"]] = info["train_loss"]
-
-        def on_val_loss_report(self, info):
-            self.val[info["iteration"]] = info["val_loss"]
-
-    base = dict(
-        DEFAULTS,
-        train=True,
-        model=str(models("llama", None)),
-        data=str(data),
-        batch_size=2,
-        num_layers=2,
-        learning_rate=1e-2,
-        steps_per_report=1,
-        steps_per_eval=3,  # validations before 1, 3 and 6, and at the last iteration
-        val_batches=1,
-        # (with seed 0 one more validation's draw happens to leave the next
-        # epoch's order and validation batch as they were; with 1 it does not)
-        seed=1,
-        memory_budget="2GB",
-        quiet=True,
-    )
 
     def args(name, iters, **kw):
-        return types.SimpleNamespace(**copy.deepcopy(dict(base, adapter_path=str(tmp_path / name), iters=iters, **kw)))
+        # validations before 1, 3 and 6, and at the last iteration; (with
+        # seed 0 one more validation's draw happens to leave the next
+        # epoch's order and validation batch as they were; with 1 it does not)
+        return api_args(models, data, tmp_path, name, iters=iters, steps_per_eval=3, seed=1, **kw)
 
     whole, first, rest = Losses(), Losses(), Losses()
     run(args("whole", 8), whole)
