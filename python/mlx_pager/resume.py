@@ -17,8 +17,12 @@ interrupted) holding:
 continues with iteration + 1. The data order is replayed, not stored: batches
 and validation batches are drawn from NumPy's global generator (seeded by
 --seed), so drawing the same batches in the same order up to the iteration
-reached puts the generator where the interrupted run had it. On the CPU the
-losses after a resume are then bit for bit those of an uninterrupted run.
+reached puts the generator where the interrupted run had it. The replay
+draws as this run's schedule does: a finished run continued with a larger
+--iters becomes one run of that many iterations (without the validation
+the shorter run made at its end). On the CPU the losses after a resume are
+then bit for bit those of an uninterrupted run. A state past --iters is
+refused (check(), before anything is loaded or written).
 """
 
 from __future__ import annotations
