@@ -736,6 +736,18 @@ def open_session(
     ceiling = None
     if training and first < L and getattr(args, "grad_checkpoint", False):
         ceiling = placement.evaluate(shape, sizes, L, 1, ahead=shape.ahead)
+    # The whole tail's working set (one sequence), measured rather than
+    # guessed (--grad-checkpoint: no tail to measure).
+    tail_measurable = training and first < L and ceiling is None and not carries.crosses(first)
+
+    def probe_tail():
+        try:
+            used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes)
+            sizes.learn({"tail": (used, L - first, 1, seq_len)})
+        except Exception as e:  # as for the block probe: the formula plans
+            say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")
+        release_heap()
+
     page_cap = None
     if args.page_budget is not None:
         # Benchmarks and tests: exactly this many bytes of pages, besides
@@ -752,16 +764,8 @@ def open_session(
                 f"Raise page_budget to at least {max_page} ({format_size(max_page, up=True)}), or leave it out "
                 "(memory_budget plans the pages)."
             )
-        if training and first < L and ceiling is None and not carries.crosses(first):
-            # Nothing caps the memory here: measure the whole tail's
-            # working set (one sequence) rather than reserve a guess
-            # (--grad-checkpoint: no tail to measure).
-            try:
-                used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes)
-                sizes.learn({"tail": (used, L - first, 1, seq_len)})
-            except Exception as e:  # as for the block probe: the formula plans
-                say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")
-            release_heap()
+        if tail_measurable:
+            probe_tail()  # nothing caps the memory here
         fastest = (
             ceiling
             if ceiling is not None
@@ -772,6 +776,14 @@ def open_session(
         plan.margin = Governor.margin_for(plan.budget)
         plan.budget = plan.fixed + page_cap
         budget_error = None
+    elif tail_measurable and budget_error is None:
+        # Under a memory budget, where the tail's estimate for one sequence
+        # (every block's forward + vjp kept: more than the tail keeps) fits
+        # beside the probe's two blocks of pages: the first step then plans
+        # from it (from the estimate, a 4-bit model's batch of 4 split in 2
+        # at a budget its steps ran whole under from the second on).
+        if sizes.tail(L - first, 1, seq_len) + 2 * max_page <= plan_budget - plan.fixed_without_activations:
+            probe_tail()
     least = placement.smallest(shape, sizes)
     plan.activations = least.activations
     if budget_error is not None:

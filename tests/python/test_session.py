@@ -117,7 +117,8 @@ def test_a_block_s_fixed_memory_is_measured_not_planned_per_token(models, tmp_pa
     plans for the batch is the block measured on the batch, not ~3x it, as
     planned per token (which split the first steps' batches 4
     ways at 500 MB on a 14 MB model: the adapters then differed from
-    mlx-lm's in the last bits)."""
+    mlx-lm's in the last bits). The tail is measured before the first step
+    too, where its estimate fits the memory budget."""
     from mlx_pager import step
     from mlx_pager.callbacks import PagerCallback
 
@@ -131,12 +132,15 @@ def test_a_block_s_fixed_memory_is_measured_not_planned_per_token(models, tmp_pa
             self.one = step.probe_block(s.model, s.weights, first, 1, length)
             self.measured = step.probe_block(s.model, s.weights, first, rows, length)
             self.fixed = s.sizes.block_fixed
+            self.tail_measured = s.sizes.tail_per_token is not None
 
     m = Measure()
     out = run_one_step(
         model, tmp_path, "dora", m, fine_tune_type="dora", batch_size=rows, num_layers=-1, memory_budget="4GB"
     )
     assert out.steps[0]["batch_parts"] == 1
+    # the tail too, where its estimate for one sequence fits the budget
+    assert m.tail_measured
     assert m.fixed > 0.5 * m.one, (m.fixed, m.one)  # mostly fixed at these lengths
     # (two measures of one size differ by up to ~3% in one process; the
     # plan's slack and margin hold that)
