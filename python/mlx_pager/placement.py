@@ -147,8 +147,8 @@ class Sizes:
         (a short batch's per-token figure understates a long one's: fixed
         costs, attention's square)."""
         if "block_fixed" in probe:
-            # measured (session.open_session: one block on one and on two
-            # sequences); never below the formula's weight copy
+            # measured (session.open_session: one block on one sequence and
+            # on a batch's); never below the formula's weight copy
             self.block_fixed = max(self.block_fixed, int(probe["block_fixed"]))
         if "block" in probe:
             nbytes, rows, length = probe["block"]

@@ -98,7 +98,9 @@ def _read_metadata(path: Path) -> dict:
                 raise ValueError(f"a header of {n} bytes")
             header = json.loads(f.read(n))
         meta = json.loads(header["__metadata__"]["mlx_pager_resume"])
-        int(meta["iteration"]), meta["key"], meta["options"]
+        meta["iteration"] = int(meta["iteration"])
+        if not {"key", "options"} <= meta.keys():
+            raise KeyError("key or options")
         return meta
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ResumeError(
@@ -124,7 +126,7 @@ def check(adapter_path, args) -> dict:
             f"--resume: {path} was saved with other options ({', '.join(changed)} differ): "
             "resume with the same options, or train afresh without --resume"
         )
-    if int(meta["iteration"]) > args.iters:
+    if meta["iteration"] > args.iters:
         raise ResumeError(
             f"--resume: {path} holds iteration {meta['iteration']}, past --iters {args.iters}: "
             f"pass --iters {meta['iteration']} or more to continue it, or train afresh in another --adapter-path"
