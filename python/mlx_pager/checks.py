@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import re
 import sys
 from pathlib import Path
 
-from .budget import format_size, parse_size
+from . import memlimit
+from .budget import BudgetError, format_size, parse_size
 
 # mlx-lm's data formats, by the keys of a record (tuner/datasets.py).
 _FORMATS = (("messages",), ("prompt", "completion"), ("text",))
@@ -81,23 +83,29 @@ def check_flags(args) -> None:
     if getattr(args, "page_budget", None) is not None:
         parse_size(args.page_budget, "page_budget")
     if args.memory_budget is not None:
-        budget = parse_size(args.memory_budget)
-        total = _physical_memory()
-        if total and budget > total:
-            print(
-                f"mlx-pager: warning: --memory-budget {format_size(budget)} is more than this machine's "
-                f"{format_size(total)} of memory: the budget will not protect the process from the OS",
-                file=sys.stderr,
-            )
+        check_budget_fits(parse_size(args.memory_budget))
 
 
-def _physical_memory() -> int:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    except Exception:
-        return 0
+def check_budget_fits(budget: int) -> None:
+    """Refuses a budget above this process's memory cgroup limit (the kernel
+    kills the process there, mid-run); warns of one above the machine's RAM
+    (the OS swaps or compresses, the budget no longer protects the run)."""
+    cgroup, ram = memlimit.cgroup_limit(), memlimit.physical_memory()
+    # The kernel keeps a cgroup's limit in whole pages (rounded down): a cap
+    # set to the budget's bytes reads back up to a page below it.
+    if cgroup is not None and budget >= cgroup + mmap.PAGESIZE:
+        raise BudgetError(
+            f"--memory-budget {format_size(budget)} is more than this process's memory cgroup limit "
+            f"{format_size(cgroup)}: the kernel kills the process past it. Pass --memory-budget "
+            f"{format_size(int(memlimit.DEFAULT_SHARE * cgroup))} or less (or leave it out: the default is "
+            f"{memlimit.DEFAULT_SHARE:.0%} of that limit)"
+        )
+    if ram and budget > ram:
+        print(
+            f"mlx-pager: warning: --memory-budget {format_size(budget)} is more than this machine's "
+            f"{format_size(ram)} of memory: the budget will not protect the process from the OS",
+            file=sys.stderr,
+        )
 
 
 # A Hugging Face repo id, as huggingface_hub's validate_repo_id allows one:

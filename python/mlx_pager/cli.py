@@ -38,7 +38,8 @@ def _paging_flags(parser: argparse.ArgumentParser, fill_later: bool, readahead: 
         "--memory-budget",
         type=str,
         default=None,
-        help="Memory the whole process may use, e.g. 12GB or 900MiB (default: 80%% of RAM).",
+        help="Memory the whole process may use, e.g. 12GB or 900MiB (default: 80%% of RAM, or of the "
+        "memory cgroup's limit where that is lower, as in a container).",
     )
     g.add_argument(
         "--ssd-cache-dir",

@@ -60,10 +60,11 @@ from mlx.utils import tree_flatten
 
 from . import carry, step
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
-from .checks import check_blocks_unpatched, check_pageable
+from .checks import check_blocks_unpatched, check_budget_fits, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
-from .session import default_budget, model_path_of, plan_slack
+from .memlimit import default_budget
+from .session import model_path_of, plan_slack
 from .simulate import waited
 from .store import PagedWeights
 
@@ -489,8 +490,9 @@ def load_paged(
     progress=None,
 ):
     """Loads `model_path` (a local mlx-lm model directory or hub id) for
-    generation within `memory_budget` (e.g. "8GB"; default 80% of RAM), with
-    the adapters in `adapter_path` applied as mlx_lm.load applies them.
+    generation within `memory_budget` (e.g. "8GB"; default 80% of RAM or of
+    the memory cgroup's limit, the lesser), with the adapters in
+    `adapter_path` applied as mlx_lm.load applies them.
 
     Returns (PagedModel, TokenizerWrapper), for mlx_lm.generate /
     stream_generate. `max_kv_tokens` is the KV cache reserved up front (it
@@ -508,6 +510,8 @@ def load_paged(
 
     return_freed_memory_to_os()
     budget = parse_size(memory_budget) if memory_budget is not None else default_budget()
+    if memory_budget is not None:
+        check_budget_fits(budget)
     path = resolve_model_path(str(model_path))
     if adapter_path is not None:
         adapter_path = _check_adapter_path(adapter_path)

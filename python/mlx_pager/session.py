@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten
 from . import jit, placement, prefix, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
+from .memlimit import default_budget
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_footprints, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -46,13 +47,6 @@ def plan_slack() -> int:
     allocator rounding may hold beside the pages, the activations and the
     state (Session.learn_peak grows it to what the steps measure)."""
     return CACHE_SLACK
-
-
-def default_budget() -> int:
-    """80% of physical memory: MLX's own default memory limit."""
-    import psutil
-
-    return int(0.8 * psutil.virtual_memory().total)
 
 
 def model_path_of(model: str) -> Path:

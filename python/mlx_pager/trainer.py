@@ -30,7 +30,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import blas, checks, dropout, files, interrupt, loop, resume
+from . import blas, checks, dropout, files, interrupt, loop, memlimit, resume
 from .budget import MemoryPlan
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
 from .governor import return_freed_memory_to_os
@@ -120,7 +120,8 @@ class TrainResult:
 class PagedTrainer:
     """Fine-tunes `model` (a local mlx-lm model directory or a hub id) with
     its frozen weights paged from the SSD, keeping the whole process under
-    `memory_budget` (e.g. "12GB"; default 80% of RAM).
+    `memory_budget` (e.g. "12GB"; default 80% of RAM, or of the memory
+    cgroup's limit where that is lower).
 
     Options given here (any of ``DEFAULTS``: mlx_lm.lora's options by their
     Python names, plus mlx-pager's) apply to every ``lora()``/``dora()`` call.
@@ -239,7 +240,7 @@ def _callbacks(args, training_callback) -> Callbacks:
             ("max seq", f"{args.max_seq_length:,}"),
             (
                 "memory budget",
-                str(args.memory_budget or "80% of RAM")
+                str(args.memory_budget or memlimit.default_budget_text())
                 + (f" per rank · {world} ranks" if (world := mx.distributed.init().size()) > 1 else ""),
             ),
         ]

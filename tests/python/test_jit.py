@@ -1,45 +1,10 @@
-"""Where a compiled tail fits (jit.py): the memory limit read from the
-process's cgroup (v1 and v2, the tightest of its ancestors), and the CPU
-backend's compiler kept out of budgets a cap leaves no room beside."""
+"""Where a compiled tail fits (jit.py): the CPU backend's compiler kept out
+of budgets the memory limit (memlimit.py) leaves no room beside."""
 
 import mlx.core as mx
 import pytest
 
 from mlx_pager import jit
-
-
-def write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def test_the_v2_limit_is_the_tightest_of_the_cgroup_and_its_ancestors(tmp_path):
-    proc = tmp_path / "proc_cgroup"
-    write(proc, "0::/a/b\n")
-    root = tmp_path / "cg"
-    write(root / "a" / "b" / "memory.max", "max\n")
-    write(root / "a" / "memory.max", "1000000000\n")
-    write(root / "memory.max", "3000000000\n")
-    assert jit.cgroup_limit(proc, root) == 1_000_000_000
-    write(root / "a" / "b" / "memory.max", "500000000\n")
-    assert jit.cgroup_limit(proc, root) == 500_000_000
-
-
-def test_the_v1_limit_skips_the_unlimited_value(tmp_path):
-    proc = tmp_path / "proc_cgroup"
-    write(proc, "5:cpu:/\n4:memory:/x/y\n0::/\n")
-    root = tmp_path / "cg"
-    write(root / "memory" / "x" / "y" / "memory.limit_in_bytes", "9223372036854771712\n")
-    write(root / "memory" / "x" / "memory.limit_in_bytes", "700000000\n")
-    assert jit.cgroup_limit(proc, root) == 700_000_000
-    write(root / "memory" / "x" / "memory.limit_in_bytes", "9223372036854771712\n")
-    assert jit.cgroup_limit(proc, root) is None  # v1's "no limit" is no limit
-
-
-def test_no_cgroup_no_limit(tmp_path):
-    assert jit.cgroup_limit(tmp_path / "missing", tmp_path) is None
-    write(tmp_path / "proc_cgroup", "0::/\n")
-    assert jit.cgroup_limit(tmp_path / "proc_cgroup", tmp_path / "cg") is None
 
 
 @pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="the CPU backend's compiler")

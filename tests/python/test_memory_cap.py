@@ -29,20 +29,19 @@ def one_batch_data(tmp_path):
     return tmp_path / "data"
 
 
-def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data, tmp_path):
-    assert modelgen.weight_bytes(big_model) >= 4 * CAP
-    pager_cmd = [
+def pager_lora(model, data, tmp_path, iters, *flags):
+    return [
         sys.executable,
         "-m",
         "mlx_pager.cli",
         "lora",
         "--model",
-        str(big_model),
+        str(model),
         "--train",
         "--data",
-        str(one_batch_data),
+        str(data),
         "--iters",
-        "5",
+        str(iters),
         "--batch-size",
         "2",
         "--num-layers",
@@ -51,20 +50,27 @@ def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data
         "3e-4",
         "--steps-per-report",
         "1",
-        "--memory-budget",
-        str(CAP),
         "--adapter-path",
         str(tmp_path / "ad"),
         "--ssd-cache-dir",
         str(tmp_path / "c"),
         "--report",
         str(tmp_path / "steps.jsonl"),
+        *flags,
     ]
+
+
+def step_losses(tmp_path):
+    records = [json.loads(l) for l in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r["type"] == "step"]
+
+
+def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data, tmp_path):
+    assert modelgen.weight_bytes(big_model) >= 4 * CAP
+    pager_cmd = pager_lora(big_model, one_batch_data, tmp_path, 5, "--memory-budget", str(CAP))
     proc, peak = run_capped(pager_cmd, CAP, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    records = [json.loads(l) for l in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["type"] == "step"]
-    losses = [s["loss"] for s in steps]
+    losses = step_losses(tmp_path)
     assert len(losses) == 5
     assert all(l == l and abs(l) < 1e6 for l in losses), losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -96,6 +102,26 @@ def test_pager_trains_under_cap_where_mlx_lm_is_killed(big_model, one_batch_data
     lm, lm_peak = run_capped(lm_cmd, CAP, timeout=900)
     assert lm.returncode != 0, "mlx_lm.lora fit under the cap: the test model is too small"
     print(f"mlx_lm.lora under the same cap: exit code {lm.returncode} (peak {lm_peak / 1e6:.0f}MB)")
+
+
+def test_without_a_budget_the_cgroup_s_limit_sets_it(big_model, one_batch_data, tmp_path):
+    """In a container (a cgroup capped below RAM) the default budget is 80%
+    of the cap, not of RAM: the run trains under the cap. A budget above the
+    cap is refused before anything is loaded or written."""
+    cap = 700 * 10**6
+    proc, peak = run_capped(pager_lora(big_model, one_batch_data, tmp_path, 3), cap, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "80% of the memory cgroup's limit (700.00MB)" in proc.stdout
+    assert "Budget 560.00MB" in " ".join(proc.stdout.split())
+    losses = step_losses(tmp_path)
+    assert len(losses) == 3 and all(l == l and abs(l) < 1e6 for l in losses), losses
+    assert 0 < peak <= cap
+
+    over = tmp_path / "over"
+    proc, _ = run_capped(pager_lora(big_model, one_batch_data, over, 3, "--memory-budget", "1GB"), cap, timeout=900)
+    assert proc.returncode == 2
+    assert "more than this process's memory cgroup limit 700.00MB" in proc.stderr, proc.stderr[-2000:]
+    assert not over.exists()  # refused before any adapter, swap file or report
 
 
 @pytest.fixture
