@@ -15,8 +15,21 @@ from pathlib import Path
 from . import memlimit
 from .budget import BudgetError, format_size, parse_size
 
-# mlx-lm's data formats, by the keys of a record (tuner/datasets.py).
-_FORMATS = (("messages",), ("prompt", "completion"), ("text",))
+
+def data_formats(args=None) -> tuple:
+    """mlx-lm's data formats, by the keys of a record, in the order its
+    create_dataset tries them (tuner/datasets.py): prompt/completion, chat,
+    text. A config renames the keys (prompt_feature, completion_feature,
+    chat_feature, text_feature) as it does for mlx-lm."""
+
+    def key(name, default):
+        return getattr(args, name, None) or default
+
+    return (
+        (key("prompt_feature", "prompt"), key("completion_feature", "completion")),
+        (key("chat_feature", "messages"),),
+        (key("text_feature", "text"),),
+    )
 
 
 def _positive(args, name: str, allow_minus_one: bool = False):
@@ -165,17 +178,26 @@ def _records(path: Path):
             yield n, rec
 
 
-def check_jsonl(path: Path) -> int:
+def check_jsonl(path: Path, args=None) -> int:
     """Checks that every record of `path` has the keys of one of mlx-lm's
-    formats (that of the first record). Returns the number of records."""
+    formats (that of the first record; data_formats(args)). Returns the
+    number of records."""
     fmt, count = None, 0
+    formats = data_formats(args)
     for n, rec in _records(path):
         if fmt is None:
-            fmt = next((keys for keys in _FORMATS if all(k in rec for k in keys)), None)
+            fmt = next((keys for keys in formats if all(k in rec for k in keys)), None)
             if fmt is None:
+                (p, c), (chat,), (text,) = formats
                 raise ValueError(
-                    f"{path} line {n} has keys {sorted(rec)}; mlx-lm's formats are {{'text'}}, "
-                    "{'prompt', 'completion'} or {'messages'}: rename the keys"
+                    f"{path} line {n} has keys {sorted(rec)}; mlx-lm's formats are {{{text!r}}}, "
+                    f"{{{p!r}, {c!r}}} or {{{chat!r}}}: rename the keys (or name yours in a config's "
+                    "text_feature, prompt_feature, completion_feature or chat_feature)"
+                )
+            if getattr(args, "mask_prompt", False) and fmt == formats[2]:
+                raise ValueError(
+                    f"--mask-prompt needs prompts, but {path} holds text records ({fmt[0]!r}): use "
+                    f"{{{formats[0][0]!r}, {formats[0][1]!r}}} or {{{formats[1][0]!r}}} records, or drop --mask-prompt"
                 )
         missing = [k for k in fmt if k not in rec]
         if missing:
@@ -206,7 +228,7 @@ def check_data(args) -> None:
                     f"--data {args.data} has no {name}.jsonl: {'--train' if name == 'train' else '--test'} needs it"
                 )
             continue
-        n = check_jsonl(f)
+        n = check_jsonl(f, args)
         if n == 0 and name in need:
             raise ValueError(f"{f} has no records: write one JSON object per line")
         # mlx-lm's batches need batch_size records: training's, each

@@ -61,6 +61,11 @@ DEFAULTS = {
     "lr_schedule": None,
     "lora_parameters": {"rank": 8, "dropout": 0.0, "scale": 20.0},
     "mask_prompt": False,
+    # The record keys of each data format (mlx-lm reads these from a config).
+    "prompt_feature": "prompt",
+    "completion_feature": "completion",
+    "chat_feature": "messages",
+    "text_feature": "text",
     "grad_accumulation_steps": 1,
     "trust_remote_code": False,
     "report_to": None,

@@ -66,6 +66,19 @@ def test_bad_data_files(capsys, model, tmp_path, records, expected):
     assert str(d / "train.jsonl") in err
 
 
+def test_text_records_with_mask_prompt_and_a_config_s_key_names(capsys, model, tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "train.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")
+    rc, err = lora(capsys, *base(model, tmp_path, d), "--batch-size", 1, "--mask-prompt")
+    assert rc == 2 and "--mask-prompt needs prompts" in one_line(err) and str(d / "train.jsonl") in err
+    (d / "train.jsonl").write_text(json.dumps({"body": "a b c"}) + "\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("text_feature: content\n")
+    rc, err = lora(capsys, *base(model, tmp_path, d), "--batch-size", 1, "-c", config)
+    assert rc == 2 and "mlx-lm's formats are {'content'}" in one_line(err) and "text_feature" in err
+
+
 @pytest.mark.parametrize("name, lines, flags", [("valid", 1, []), ("test", 1, ["--test"])])
 def test_a_validation_or_test_set_smaller_than_a_batch_is_refused_before_training(
     capsys, model, tmp_path, name, lines, flags

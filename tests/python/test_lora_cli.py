@@ -16,6 +16,7 @@ import pytest
 from conftest import SAMPLE, write_jsonl
 from mlx_lm.lora import CONFIG_DEFAULTS
 
+from mlx_pager import PagedTrainer
 from mlx_pager.callbacks import PagerCallback
 from mlx_pager.plot import load_runs
 from mlx_pager.trainer import DEFAULTS
@@ -123,6 +124,43 @@ def test_reports_validation_and_checkpoints_at_mlx_lm_iterations_with_accumulati
     for n in names:
         r, g = mx.load(str(tmp_path / "ref" / n)), mx.load(str(tmp_path / "paged" / n))
         assert all(mx.array_equal(r[k], g[k]).item() for k in r), n
+
+
+def test_a_config_s_feature_names_are_read_as_mlx_lm_reads_them(models, tmp_path):
+    """A config's prompt_feature / completion_feature rename the record keys
+    for mlx-lm; mlx-pager's data check refused such data ("has keys
+    ['answer', 'question']"). With --mask-prompt: the same adapters as
+    mlx_lm.lora, bit for bit."""
+    data = tmp_path / "data"
+    for name in ("train", "valid"):
+        recs = [json.loads(l)["text"] for l in (SAMPLE / f"{name}.jsonl").read_text().splitlines()]
+        write_jsonl(data / f"{name}.jsonl", [{"question": t[: len(t) // 2], "answer": t[len(t) // 2 :]} for t in recs])
+    config = tmp_path / "c.yaml"
+    config.write_text("prompt_feature: question\ncompletion_feature: answer\nmask_prompt: true\n")
+    model = models("llama", None)
+    flags = ["--model", model, "-c", config, "--train", "--data", data, "--iters", 3, "--batch-size", 2]
+    flags += ["--num-layers", 2, "--steps-per-report", 1, "--val-batches", 2, "--seed", 3]
+    ref = cli("mlx_lm", *flags, "--adapter-path", tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    got = cli("mlx_pager", *flags, "--adapter-path", tmp_path / "got", "--memory-budget", "2GB")
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert table(got.stdout) == table(ref.stdout) and len(table(ref.stdout)[0]) == 3
+    api = PagedTrainer(str(model), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True).lora(
+        data,
+        prompt_feature="question",
+        completion_feature="answer",
+        mask_prompt=True,
+        iters=3,
+        batch_size=2,
+        num_layers=2,
+        val_batches=2,
+        seed=3,
+        adapter_path=str(tmp_path / "api"),
+    )
+    assert api.adapter_file == tmp_path / "api" / "adapters.safetensors"
+    r, g, p = (mx.load(str(tmp_path / d / "adapters.safetensors")) for d in ("ref", "got", "api"))
+    assert r.keys() == g.keys() == p.keys()
+    assert all(mx.array_equal(r[k], g[k]).item() and mx.array_equal(r[k], p[k]).item() for k in r)
 
 
 def test_reports_come_in_mlx_lm_s_order_with_accumulation(models, tmp_path, capsys):
