@@ -32,14 +32,16 @@ def data_formats(args=None) -> tuple:
     )
 
 
-def _positive(args, name: str, allow_minus_one: bool = False):
+def _positive(args, name: str, also: str = ""):
+    """A whole number of at least 1; `also` names what -1 and 0 mean where
+    mlx-lm takes them (then they are allowed)."""
     v = getattr(args, name, None)
     if v is None:
         return
-    ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or (allow_minus_one and v == -1))
+    ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or (also and v >= -1))
     if not ok:
         flag = "--" + name.replace("_", "-")
-        extra = " (or -1 for all)" if allow_minus_one else ""
+        extra = f" ({also})" if also else ""
         raise ValueError(f"{flag} must be a whole number of at least 1{extra}, not {v!r}")
 
 
@@ -65,8 +67,12 @@ def check_flags(args) -> None:
         "io_threads",
     ):
         _positive(args, name)
-    for name in ("num_layers", "val_batches", "test_batches"):
-        _positive(args, name, allow_minus_one=True)
+    # As mlx-lm: --num-layers -1 or 0 trains every block (it takes the last
+    # max(n, 0) blocks, and [-0:] is all); --val-batches / --test-batches -1
+    # evaluate the whole set, 0 none (the loss reads nan).
+    _positive(args, "num_layers", also="or 0 or -1 for all")
+    for name in ("val_batches", "test_batches"):
+        _positive(args, name, also="or -1 for all, 0 for none")
     if args.max_seq_length is not None and args.max_seq_length < 2:
         raise ValueError(
             f"--max-seq-length must be at least 2 (one input and one target token), not {args.max_seq_length}"
@@ -234,6 +240,7 @@ def check_data(args) -> None:
         # mlx-lm's batches need batch_size records: training's, each
         # validation's (valid.jsonl is optional) and --test's.
         used = name in need or (name == "valid" and args.train and n > 0)
+        used = used and getattr(args, f"{'val' if name == 'valid' else name}_batches", 1) != 0
         if used and n < args.batch_size:
             raise ValueError(
                 f"{f} has {n} records, fewer than --batch-size {args.batch_size}: lower --batch-size or add data"

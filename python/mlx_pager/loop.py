@@ -21,6 +21,7 @@ step then starts at the first trained block.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from pathlib import Path
 from typing import Optional
@@ -44,7 +45,6 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     from mlx_lm.tuner.trainer import iterate_batches
 
     args, model = s.args, s.model
-    model.eval()
     batches = []
     it = iterate_batches(
         dataset=dataset,
@@ -52,11 +52,14 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
         max_seq_length=args.max_seq_length,
         comm_group=mx.distributed.init(),
     )
-    for i, b in enumerate(it):
-        if num_batches != -1 and i >= num_batches:
-            break
+    # zip takes the count first, as mlx-lm's does: 0 batches draw nothing
+    # from NumPy's generator (the batch order after it is mlx-lm's).
+    for _, b in zip(range(num_batches) if num_batches != -1 else itertools.count(), it):
         # Split as training splits them; each part weighted by its own tokens.
         batches.extend(step.split_batch(*b, s.parts, shared_norm=False))
+    if not batches:
+        return float("nan")  # mlx-lm's 0 / 0 (--val-batches 0)
+    model.eval()
     s.use_forward_schedule()
     all_losses, ntokens = mx.array(0.0), mx.array(0)
     # Layer-major in groups: one sweep over the blocks serves a whole group,

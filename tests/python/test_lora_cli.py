@@ -163,6 +163,34 @@ def test_a_config_s_feature_names_are_read_as_mlx_lm_reads_them(models, tmp_path
     assert all(mx.array_equal(r[k], g[k]).item() and mx.array_equal(r[k], p[k]).item() for k in r)
 
 
+def test_zero_layers_and_zero_batches_mean_what_they_mean_to_mlx_lm(models, tmp_path):
+    """--num-layers 0 trains every block (mlx-lm takes the last max(n, 0),
+    and [-0:] is all); --val-batches 0 and --test-batches 0 evaluate nothing
+    and report nan, drawing nothing from NumPy's generator (so the batch
+    order is mlx-lm's). A valid.jsonl smaller than a batch is then not
+    refused: it is never read. mlx-pager refused all three."""
+    data = tmp_path / "data"
+    recs = [json.loads(l) for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    write_jsonl(data / "train.jsonl", recs[:8])
+    write_jsonl(data / "valid.jsonl", recs[8:9])
+    write_jsonl(data / "test.jsonl", recs[9:13])
+    model = models("llama", None)
+    flags = ["--model", model, "--train", "--test", "--data", data, "--iters", 5, "--batch-size", 2]
+    flags += ["--num-layers", 0, "--val-batches", 0, "--test-batches", 0, "--steps-per-report", 1, "--seed", 4]
+    ref = cli("mlx_lm", *flags, "--adapter-path", tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    got = cli("mlx_pager", *flags, "--adapter-path", tmp_path / "got", "--memory-budget", "2GB")
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert table(got.stdout)[0] == table(ref.stdout)[0] and len(table(ref.stdout)[0]) == 5
+    nan_rows = [re.compile(r"^\s+(\d+)\s+val\s+nan").match(l) for l in ANSI.sub("", got.stdout).splitlines()]
+    assert [m.group(1) for m in nan_rows if m] == ["1", "5"]
+    assert "Test loss nan, Test ppl nan." in got.stdout and "Test loss nan, Test ppl nan." in ref.stdout
+    r, g = (mx.load(str(tmp_path / d / "adapters.safetensors")) for d in ("ref", "got"))
+    assert r.keys() == g.keys() and all(mx.array_equal(r[k], g[k]).item() for k in r)
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert {int(k.split(".")[2]) for k in g} == set(range(layers))  # every block trained
+
+
 def test_reports_come_in_mlx_lm_s_order_with_accumulation(models, tmp_path, capsys):
     """A validation inside a group of k micro-batches runs before the
     group's steps (it draws from NumPy between two batches), but its report
