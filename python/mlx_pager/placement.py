@@ -80,10 +80,12 @@ class Sizes:
     block_len: int
     block_fixed: int = 0  # bytes that do not grow with tokens (a dequantized weight)
     # The tail's measured peak, per token, at `tail_len`, for a
-    # tail of `tail_blocks` blocks (None: never measured).
+    # tail of `tail_blocks` blocks, measured on `tail_rows` rows (None:
+    # never measured).
     tail_per_token: Optional[float] = None
     tail_len: int = 0
     tail_blocks: int = 0
+    tail_rows: int = 1
     # One forward-only block's measured peak (a sweep's, with no graph kept),
     # per token, at `forward_len` (None: never measured; block() stands in).
     forward_per_token: Optional[float] = None
@@ -126,10 +128,38 @@ class Sizes:
         head = 3 * rows * length * self.vocab * 4  # the whole head's graph: logits, softmax, gradient
         if self.tail_per_token is None:
             return self.block(rows, length) * blocks + head
-        whole = self._scale(self.tail_per_token, self.tail_len, rows, length)
+        whole = self._tail_measured(rows, length)
         n0 = self.tail_blocks
         fixed = min(head, whole)
         return int(max(whole * blocks / n0, fixed + (whole - fixed) * blocks / n0))
+
+    def _tail_measured(self, rows: int, length: int) -> int:
+        """The measured tail (its tail_blocks blocks and the head) for
+        `rows` rows of `length`, from its measure on tail_rows rows: T0.
+        A tail holds a fixed part F (DoRA's dense weights: ~87% of a 1-row
+        tail on a 4-bit qwen3) and a part p per row, T = F + p * rows, and
+        one measure tells neither. Each estimate below is at least T where
+        F <= tail_blocks * block_fixed (what no row grows) and p <= the
+        blocks' and the head's growth per row:
+          more rows: T0 per token (F counted each row), or, where a block
+            was measured, T0 plus the blocks' and head's growth per row,
+            the lesser; planned per
+            token alone, a 4-bit DoRA tail measured on 1 row planned 2.8x
+            what 4 rows took, and the first step split its batch;
+          fewer rows: F at its most, and what is left of T0 per row (per
+            token alone would leave F out of a split batch's parts)."""
+        r0, n0 = self.tail_rows, self.tail_blocks
+        per_token = self._scale(self.tail_per_token, self.tail_len, rows, length)
+        if rows == r0:
+            return per_token
+        t0 = self._scale(self.tail_per_token, self.tail_len, r0, length)
+        if rows < r0:
+            fixed = min(n0 * self.block_fixed, t0)
+            return int(fixed + (t0 - fixed) * rows / r0)
+        if "block" not in self._tokens:  # the formula's block: no bound on p
+            return per_token
+        row = n0 * self._scale(self.block_per_token, self.block_len, 1, length) + 3 * length * self.vocab * 4
+        return int(min(per_token, t0 + (rows - r0) * row))
 
     def checkpoint(self, rows: int, length: int) -> int:
         return rows * length * self.hidden * self.itemsize
@@ -172,6 +202,7 @@ class Sizes:
                 self.tail_per_token = nbytes / max(1, rows * length)
                 self.tail_len = length
                 self.tail_blocks = blocks
+                self.tail_rows = rows
 
     def _longer(self, what: str, tokens: int) -> bool:
         """Whether a measure of `what` over `tokens` tokens replaces the one kept."""

@@ -95,6 +95,34 @@ def test_a_measured_fixed_part_is_planned_once_not_per_row():
     assert low.block_fixed == 2 * MB  # never below the formula's weight copy
 
 
+def test_a_tail_measured_on_other_rows_keeps_its_fixed_part_fixed():
+    """A tail is T = F + p * rows (DoRA: F most of it), and a measure on
+    one row count tells neither: on more rows the estimate is the lesser of
+    per token and the measure plus the blocks' and head's growth per row;
+    on fewer, F is at most the blocks' fixed parts. Where nothing is fixed
+    (LoRA), it is per token, as before."""
+    vocab, length, blocks = 1000, 128, 4
+    head_row = 3 * length * vocab * 4
+    block_row = 4096 * length  # block_per_token * length: a block's growth per row
+    dora = sizes(block_fixed=20 * MB, vocab=vocab)
+    dora.learn({"tail": (90 * MB, blocks, 1, length)})  # measured on one sequence
+    per_token = 4 * 90 * MB
+    assert dora.tail(blocks, 4, length) == per_token  # no block measured: p unbounded
+    dora.learn({"block": (20 * MB + block_row, 1, length)})
+    assert dora.tail(blocks, 4, length) == min(per_token, 90 * MB + 3 * (blocks * block_row + head_row))
+    assert dora.tail(blocks, 4, length) < 0.5 * per_token
+    assert dora.tail(blocks, 1, length) == 90 * MB
+    dora.learn({"tail": (120 * MB, blocks, 4, length)})  # then on the whole batch
+    assert dora.tail(blocks, 4, length) == 120 * MB
+    assert dora.tail(blocks, 2, length) == 80 * MB + 40 * MB * 2 // 4  # F = 4 blocks' 20 MB
+    assert dora.tail(blocks, 1, 2 * length) >= dora.tail(blocks, 1, length)
+    lora = sizes(block_fixed=0, vocab=vocab)
+    lora.learn({"tail": (40 * MB, blocks, 4, length)})
+    assert lora.tail(blocks, 2, length) == 20 * MB and lora.tail(blocks, 4, length) == 40 * MB
+    lora.learn({"tail": (48 * MB, blocks, 8, length)})
+    assert lora.tail(blocks, 8, length) == 48 * MB and lora.tail(blocks, 4, length) == 24 * MB
+
+
 def test_a_measured_forward_block_sizes_the_sweep_and_not_a_recomputed_block():
     st = shape(footprints=[10 * MB] * 8, first_trained=4)
     sz = sizes(block_fixed=8 * MB)  # the estimate counts a weight copy

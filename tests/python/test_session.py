@@ -119,7 +119,7 @@ def test_a_block_s_fixed_memory_is_measured_not_planned_per_token(models, tmp_pa
     ways at 500 MB on a 14 MB model: the adapters then differed from
     mlx-lm's in the last bits). The tail is measured before the first step
     too, where its estimate fits the memory budget."""
-    from mlx_pager import step
+    from mlx_pager import segment, step
     from mlx_pager.callbacks import PagerCallback
 
     rows = 4
@@ -133,6 +133,9 @@ def test_a_block_s_fixed_memory_is_measured_not_planned_per_token(models, tmp_pa
             self.measured = step.probe_block(s.model, s.weights, first, rows, length)
             self.fixed = s.sizes.block_fixed
             self.tail_measured = s.sizes.tail_per_token is not None
+            blocks = len(s.model.layers) - first
+            self.tail_planned = s.sizes.tail(blocks, rows, length)
+            self.tail_wide = segment.probe_tail(s.model, s.weights, first, rows, length, s.args.head_chunk_bytes)
 
     m = Measure()
     out = run_one_step(
@@ -145,6 +148,9 @@ def test_a_block_s_fixed_memory_is_measured_not_planned_per_token(models, tmp_pa
     # (two measures of one size differ by up to ~3% in one process; the
     # plan's slack and margin hold that)
     assert 0.95 * m.measured <= m.planned <= 1.5 * m.measured, (m.planned, m.measured, rows * m.one)
+    # the tail measured on one sequence, planned for the batch: not per token
+    # (~2.8x: the first step split the batch at budgets its steps ran whole)
+    assert 0.95 * m.tail_wide <= m.tail_planned <= 1.5 * m.tail_wide, (m.tail_planned, m.tail_wide)
 
 
 def test_page_parts_auto_follows_the_planned_page_budget(models, tmp_path):
