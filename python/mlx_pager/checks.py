@@ -167,11 +167,14 @@ def check_model(model: str) -> None:
 
 
 def _records(path: Path):
-    """(line number, record) of a .jsonl file; one clear error per bad line."""
+    """(line number, record) of a .jsonl file; one clear error per bad line
+    (mlx-lm's loader reads every line as JSON: a blank one too)."""
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
-                continue
+                raise ValueError(
+                    f"{path} line {n} is blank: mlx-lm reads every line as one JSON object; delete the blank line"
+                )
             try:
                 rec = json.loads(line)
             except ValueError as e:
@@ -273,6 +276,26 @@ def check_blocks_unpatched(model) -> None:
                 "model of this architecture: run mlx-pager in a fresh process (its own --grad-checkpoint "
                 "recomputes without patching)"
             )
+
+
+def check_adapter_keys(model, lora_parameters: dict) -> None:
+    """Refuses lora_parameters keys that put adapters outside the
+    transformer blocks, before anything is paged: mlx-lm's
+    linear_to_lora_layers also adapts any module of the whole model whose
+    full name is a key (lm_head, model.embed_tokens), and the paged step
+    differentiates the blocks' adapters only (it failed mid-run on the
+    missing gradients)."""
+    keys = (lora_parameters or {}).get("keys")
+    if not keys:
+        return  # mlx-lm's default keys: the blocks' linear layers
+    inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
+    outside = sorted(name for name, m in model.named_modules() if name in keys and id(m) not in inside)
+    if outside:
+        raise ValueError(
+            f"lora_parameters' keys put adapters on {', '.join(outside)}, outside the transformer blocks: "
+            "mlx-pager trains adapters inside the blocks only. Drop those keys (or train them with mlx_lm.lora, "
+            "which holds every weight in memory)"
+        )
 
 
 def check_pageable(model, generation: bool = False) -> None:

@@ -318,6 +318,8 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
         raise ValueError(
             f"Requested to train {args.num_layers} layers but the model only has {len(model.layers)} layers."
         )
+    if args.train:
+        checks.check_adapter_keys(model, args.lora_parameters)
     session = open_session(
         args,
         model,

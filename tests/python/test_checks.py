@@ -55,6 +55,7 @@ def one_line(err: str) -> str:
         ([{"txt": "hello"}], "mlx-lm's formats are"),
         ([{"text": "a"}] * 4 + ["BROKEN"] + [{"text": "b"}], "train.jsonl line 5 is not valid JSON"),
         ([{"text": "a"}, {"prompt": "p"}], "line 2 lacks ['text']"),
+        ([{"text": "a"}] * 5 + [" "] + [{"text": "b"}], "train.jsonl line 6 is blank"),
     ],
 )
 def test_bad_data_files(capsys, model, tmp_path, records, expected):
@@ -77,6 +78,22 @@ def test_text_records_with_mask_prompt_and_a_config_s_key_names(capsys, model, t
     config.write_text("text_feature: content\n")
     rc, err = lora(capsys, *base(model, tmp_path, d), "--batch-size", 1, "-c", config)
     assert rc == 2 and "mlx-lm's formats are {'content'}" in one_line(err) and "text_feature" in err
+
+
+def test_adapters_outside_the_blocks_are_refused_before_paging(capsys, model, tmp_path):
+    """mlx-lm adapts any module of the whole model a key names in full
+    (model.embed_tokens, lm_head); mlx-pager trains the blocks' adapters
+    only, and stopped mid-run on a KeyError. A block's module named in full
+    is a block's adapter, and trains."""
+    config = tmp_path / "c.yaml"
+    keys = "lora_parameters: {rank: 4, scale: 20.0, dropout: 0.0, keys: [%s]}\n"
+    config.write_text(keys % "self_attn.q_proj, model.embed_tokens")
+    rc, err = lora(capsys, *base(model, tmp_path), "--store", "swap", "-c", config)
+    assert rc == 2 and "adapters on model.embed_tokens, outside the transformer blocks" in one_line(err)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # no adapters, no swap file
+    config.write_text(keys % "self_attn.q_proj, model.layers.3.mlp.up_proj")
+    rc, err = lora(capsys, *base(model, tmp_path), "-c", config)
+    assert rc == 0, err
 
 
 @pytest.mark.parametrize("name, lines, flags", [("valid", 1, []), ("test", 1, ["--test"])])
