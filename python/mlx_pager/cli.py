@@ -159,7 +159,7 @@ def lora_main(argv) -> int:
 
     parser = _lora_parser()
     args = vars(parser.parse_args(argv))
-    config = args.pop("config", None)
+    config = args.get("config")  # kept, as mlx-lm keeps it (adapter_config.json names it)
     if config:
         try:
             with open(config) as f:
