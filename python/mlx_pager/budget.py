@@ -115,6 +115,7 @@ class MemoryPlan:
     slack: int
     max_page: int
     margin: int = 0  # kept free: the governor acts when the process nears budget - margin
+    given: bool = True  # the user's --memory-budget (False: the default, memlimit.default_budget)
 
     @property
     def fixed_without_activations(self) -> int:
@@ -147,9 +148,11 @@ class MemoryPlan:
         """Raises BudgetError naming the minimum when the budget cannot hold
         one block page besides everything else."""
         if self.page_budget < self.max_page:
+            from .memlimit import budget_named, raise_advice
+
             raise BudgetError(
-                f"--memory-budget {format_size(self.budget)} is too small for this "
+                f"{budget_named(self.budget, self.given)} is too small for this "
                 f"model and batch: it needs at least {format_size(self.minimum, up=True)} "
-                f"({self.breakdown()}). Raise it to {format_size(self.minimum * 1.05, up=True)} "
-                "or more, or lower --max-seq-length (batches are already split down to one sequence)."
+                f"({self.breakdown()}). {raise_advice(int(self.minimum * 1.05), self.given)}, "
+                "or lower --max-seq-length (batches are already split down to one sequence)."
             )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
@@ -172,6 +173,7 @@ class JsonReport(PagerCallback):
     def __init__(self, path, run_info: Optional[dict] = None):
         self.t0 = time.perf_counter()
         self.session = None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as --adapter-path's
         self.file = open(path, "a")
         self._write({"type": "run", "time": time.time(), **(run_info or {})})
 

@@ -63,7 +63,7 @@ from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_siz
 from .checks import check_blocks_unpatched, check_budget_fits, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
-from .memlimit import default_budget
+from .memlimit import budget_named, default_budget, raise_advice
 from .session import model_path_of, plan_slack
 from .simulate import waited
 from .store import PagedWeights
@@ -273,13 +273,13 @@ class PagedModel:
         if p.page_budget < p.max_page:
             need = p.fixed + p.max_page
             raise BudgetError(
-                f"--memory-budget {format_size(p.budget)} is too small to generate with this model: "
+                f"{budget_named(p.budget, p.given)} is too small to generate with this model: "
                 f"it needs at least {format_size(need, up=True)} (one block page {format_size(p.max_page)} + "
                 f"resident set (embeddings, norm, head) {format_size(p.resident)} + adapters "
                 f"{format_size(p.trainable)} + KV cache for {kv_tokens} tokens {format_size(kv)} + "
                 f"a {chunk}-token prompt chunk {format_size(p.activations - kv)} + process "
-                f"{format_size(p.baseline)} + slack {format_size(p.slack)}). Raise it to "
-                f"{format_size(need * 1.05, up=True)} or more, or lower --max-tokens or the prompt length."
+                f"{format_size(p.baseline)} + slack {format_size(p.slack)}). "
+                f"{raise_advice(int(need * 1.05), p.given)}, or lower --max-tokens or the prompt length."
             )
         self.kv_tokens, self.prefill_chunk = kv_tokens, chunk
         if self.gov is not None:
@@ -566,6 +566,7 @@ def load_paged(
         # MLX's buffer cache keeps one freed page frame for the next read.
         slack=plan_slack(),
         max_page=max_page,
+        given=memory_budget is not None,
     )
     paged = PagedModel(model, weights, plan, config, act.size, prefill_step_size, max_kv_tokens, page_budget)
     paged.read_rate = measure_read_rate(weights) if measure_read else None

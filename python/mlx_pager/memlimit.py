@@ -107,14 +107,42 @@ def default_budget() -> int:
 
 
 def default_budget_text() -> str:
-    """How the default budget reads in a run's header, e.g. '80% of RAM'
-    or '80% of the memory cgroup's limit (700MB)'."""
+    """Where the default budget comes from, for a run's header and its
+    errors: '80% of RAM' or "80% of the memory cgroup's 700.00MB limit"."""
     from .budget import format_size
 
     limit, source = limit_and_source()
     share = f"{DEFAULT_SHARE:.0%}"
-    if source == "RAM":
-        return f"{share} of RAM"
-    if limit is not None:
-        return f"{share} of {source} ({format_size(limit)})"
+    if source == "the memory cgroup's limit":
+        return f"{share} of the memory cgroup's {format_size(limit)} limit"
     return f"{share} of RAM"
+
+
+def budget_named(budget: int, given: bool) -> str:
+    """The budget as an error names it: the flag, or the default and where
+    it comes from (a user who passed no --memory-budget did not choose it)."""
+    from .budget import format_size
+
+    if given:
+        return f"--memory-budget {format_size(budget)}"
+    return f"the default memory budget {format_size(budget)} ({default_budget_text()})"
+
+
+def raise_advice(need: int, given: bool) -> str:
+    """What to do about a budget below `need` bytes: a larger
+    --memory-budget where the memory limit allows one, else a larger limit
+    (advice past the limit would have the kernel kill the run)."""
+    from .budget import format_size
+
+    want = format_size(need, up=True)
+    limit, source = limit_and_source()
+    if limit is not None and need > limit:
+        where = "the memory cgroup's limit" if source != "RAM" else "this machine's RAM"
+        return (
+            f"This process may use at most {format_size(limit)} ({where}): raise that to {want} or more and "
+            f"pass --memory-budget {want}"
+        )
+    if given:
+        return f"Raise it to {want} or more"
+    upto = f" (up to {format_size(limit)})" if limit is not None else ""
+    return f"Pass --memory-budget {want} or more{upto}"

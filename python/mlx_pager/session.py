@@ -693,6 +693,7 @@ def open_session(
         slack=slack,
         max_page=max_page,
         margin=Governor.margin_for(plan_budget),
+        given=args.memory_budget is not None,
     )
     if training and first < L:
         # One block's forward + vjp measured on one sequence of the longest

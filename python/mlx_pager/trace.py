@@ -60,6 +60,7 @@ class TraceCallback(PagerCallback):
 
     def __init__(self, path, io_threads: int = 4, run_info: Optional[dict] = None):
         self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # now, not after the run
         self.io_threads = io_threads
         self.run_info = dict(run_info or {})
         self.t0 = _now_ns()

@@ -31,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import blas, checks, dropout, files, interrupt, loop, memlimit, resume
-from .budget import MemoryPlan
+from .budget import MemoryPlan, format_size
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
 from .governor import return_freed_memory_to_os
 from .session import load_lazy, open_session
@@ -245,7 +245,9 @@ def _callbacks(args, training_callback) -> Callbacks:
             ("max seq", f"{args.max_seq_length:,}"),
             (
                 "memory budget",
-                str(args.memory_budget or memlimit.default_budget_text())
+                str(
+                    args.memory_budget or f"{format_size(memlimit.default_budget())} ({memlimit.default_budget_text()})"
+                )
                 + (f" per rank · {world} ranks" if (world := mx.distributed.init().size()) > 1 else ""),
             ),
         ]

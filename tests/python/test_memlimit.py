@@ -5,7 +5,7 @@ lesser, and the default budget drawn from it."""
 import pytest
 
 from mlx_pager import checks, memlimit
-from mlx_pager.budget import BudgetError
+from mlx_pager.budget import BudgetError, MemoryPlan
 
 
 def write(path, text):
@@ -51,7 +51,7 @@ def test_the_default_budget_is_80_percent_of_the_cgroup_limit_where_it_is_below_
     limits(monkeypatch, cgroup=1_000_000_000, ram=24_000_000_000)
     assert memlimit.memory_limit() == 1_000_000_000
     assert memlimit.default_budget() == 800_000_000
-    assert memlimit.default_budget_text() == "80% of the memory cgroup's limit (1.00GB)"
+    assert memlimit.default_budget_text() == "80% of the memory cgroup's 1.00GB limit"
     limits(monkeypatch, cgroup=32_000_000_000, ram=24_000_000_000)  # a cgroup above RAM: RAM bounds
     assert memlimit.default_budget() == 19_200_000_000
     assert memlimit.default_budget_text() == "80% of RAM"
@@ -74,3 +74,32 @@ def test_a_budget_above_the_cgroup_limit_is_refused_and_above_ram_warned(monkeyp
     limits(monkeypatch, cgroup=None, ram=24_000_000_000)
     checks.check_budget_fits(30_000_000_000)
     assert "warning" in capsys.readouterr().err
+
+
+def test_a_budget_too_small_is_named_as_given_and_the_advice_stays_under_the_limit(monkeypatch):
+    """A budget the user did not pass is named as the default; advice to
+    raise it past the memory limit would have the kernel kill the run, so
+    there it says to raise the limit."""
+    limits(monkeypatch, cgroup=346_000_000, ram=24_000_000_000)
+    assert memlimit.budget_named(276_800_000, given=False) == (
+        "the default memory budget 276.80MB (80% of the memory cgroup's 346.00MB limit)"
+    )
+    assert memlimit.budget_named(276_800_000, given=True) == "--memory-budget 276.80MB"
+    assert memlimit.raise_advice(300_000_000, given=True) == "Raise it to 300.00MB or more"
+    assert memlimit.raise_advice(300_000_000, given=False) == "Pass --memory-budget 300.00MB or more (up to 346.00MB)"
+    past = memlimit.raise_advice(356_210_000, given=False)
+    assert past.startswith("This process may use at most 346.00MB (the memory cgroup's limit): raise that to 356.21MB")
+    plan = MemoryPlan(
+        budget=276_800_000,
+        baseline=110 << 20,
+        resident=8 << 20,
+        trainable=7 << 20,
+        activations=100 << 20,
+        slack=67 << 20,
+        max_page=62 << 20,
+        given=False,
+    )
+    with pytest.raises(BudgetError) as e:
+        plan.check()
+    assert str(e.value).startswith("the default memory budget 276.80MB (80% of the memory cgroup's 346.00MB limit)")
+    assert "This process may use at most 346.00MB" in str(e.value)

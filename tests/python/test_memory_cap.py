@@ -111,7 +111,7 @@ def test_without_a_budget_the_cgroup_s_limit_sets_it(big_model, one_batch_data, 
     cap = 700 * 10**6
     proc, peak = run_capped(pager_lora(big_model, one_batch_data, tmp_path, 3), cap, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "80% of the memory cgroup's limit (700.00MB)" in proc.stdout
+    assert "560.00MB (80% of the memory cgroup's 700.00MB limit)" in proc.stdout
     assert "Budget 560.00MB" in " ".join(proc.stdout.split())
     losses = step_losses(tmp_path)
     assert len(losses) == 3 and all(l == l and abs(l) < 1e6 for l in losses), losses
@@ -122,6 +122,14 @@ def test_without_a_budget_the_cgroup_s_limit_sets_it(big_model, one_batch_data, 
     assert proc.returncode == 2
     assert "more than this process's memory cgroup limit 700.00MB" in proc.stderr, proc.stderr[-2000:]
     assert not over.exists()  # refused before any adapter, swap file or report
+
+    # A cap whose default budget is too small: the error names the default
+    # (no --memory-budget was passed) and does not advise a budget past the cap.
+    small = tmp_path / "small"
+    proc, _ = run_capped(pager_lora(big_model, one_batch_data, small, 3), 250 * 10**6, timeout=900)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "the default memory budget 200.00MB" in err, proc.stderr[-2000:]
+    assert "This process may use at most 250.00MB (the memory cgroup's limit): raise that to" in err
 
 
 @pytest.fixture

@@ -72,7 +72,8 @@ def traced_run(models, tmp_path_factory):
     model = models("llama", None)
     cfg = tmp / "cfg.yaml"
     cfg.write_text(f"page_budget: {PAGES}\n")
-    trace, report = tmp / "run.trace.json", tmp / "report.jsonl"
+    # (in directories not made yet: the run makes them, as --adapter-path's)
+    trace, report = tmp / "traces" / "run.trace.json", tmp / "reports" / "report.jsonl"
     rc = cli.lora_main(
         [
             *("--model", str(model), "--train", "--data", str(SAMPLE)),
