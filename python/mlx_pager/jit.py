@@ -11,10 +11,13 @@ budget (tests/python/test_memory_cap.py) a compiled streamed tail got the
 run killed. On a GPU backend (Metal, CUDA) the kernels are built in-process,
 where the governor sees them.
 
-So a tail (segment.Tail) is compiled on the CPU backend only where the
-memory limit this process runs under (its cgroup's, else the machine's RAM)
-leaves COMPILER_BYTES beyond its budget. The blocks' own compiled functions
-(step.Blocks) are smaller and have always fit.
+So on the CPU backend the step (the tail, segment.Tail, and the blocks'
+compiled functions, step.Blocks) is compiled only where the memory limit
+this process runs under (its cgroup's, else the machine's RAM) leaves
+COMPILER_BYTES beyond its budget. The blocks' kernels alone were thought to
+fit always; a sweep in session 46 had the compiler killed for them under a
+hard cap equal to the least budget (phi3 bf16, batch 4 x 256, 169 MB), and
+the run died with it.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def tail_compile_refused(budget: Optional[int], limit: Optional[int] = None) -> 
     if limit is None or limit - budget >= COMPILER_BYTES:
         return None
     return (
-        "the tail runs uncompiled: MLX's CPU backend compiles with the system compiler in a child process "
+        "the step runs uncompiled: MLX's CPU backend compiles with the system compiler in a child process "
         f"(~{format_size(COMPILER_MEASURED_BYTES)} measured) that the {format_size(budget)} budget does not "
         f"count, and the memory limit ({format_size(limit)}) leaves no {format_size(COMPILER_BYTES)} for it"
     )

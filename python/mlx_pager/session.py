@@ -791,8 +791,12 @@ def open_session(
     )
     gov = Governor(plan, weights.pager, pinned_bytes=weights.page_charge_bound(weights.resident_id))
     weights.pin_resident()
+    # Where the memory limit leaves the CPU backend's compiler no room
+    # beside the budget, nothing is compiled: under a hard cap equal to the
+    # least budget, the blocks' kernels alone had the compiler killed and
+    # the run with it (a sweep, phi3 bf16 at 169 MB).
     uncompiled_tail = jit.tail_compile_refused(plan.budget)
-    blocks = step.Blocks(model, compile_tail=uncompiled_tail is None)
+    blocks = step.Blocks(model, compile=uncompiled_tail is None, compile_tail=uncompiled_tail is None)
     gov.drop_stale_graphs = blocks.drop_stale
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)

@@ -16,10 +16,10 @@ def test_a_tail_is_compiled_on_the_cpu_only_with_room_for_the_compiler():
     assert jit.tail_compile_refused(None, limit=budget) is None  # no budget to keep
 
 
-def test_a_session_under_a_tight_limit_runs_its_tail_uncompiled(models, tmp_path, monkeypatch):
+def test_a_session_under_a_tight_limit_runs_its_step_uncompiled(models, tmp_path, monkeypatch):
     """The session asks jit before it builds its Blocks: under a limit that
-    leaves the compiler no room the tail is not compiled, with the same
-    losses."""
+    leaves the compiler no room neither the tail nor the blocks are
+    compiled, with the same losses."""
     from test_session import run_one_step
 
     from mlx_pager import step
@@ -37,5 +37,7 @@ def test_a_session_under_a_tight_limit_runs_its_tail_uncompiled(models, tmp_path
     roomy = run_one_step(model, tmp_path, "roomy", memory_budget="2GB")
     monkeypatch.setattr(jit, "memory_limit", lambda: 2 * 10**9 + jit.COMPILER_BYTES - 1)
     tight = run_one_step(model, tmp_path, "tight", memory_budget="2GB")
-    assert [b.tail.compile for b in made] == [True, mx.default_device().type != mx.DeviceType.cpu]
+    gpu = mx.default_device().type != mx.DeviceType.cpu
+    assert [b.tail.compile for b in made] == [True, gpu]
+    assert [b.compile for b in made] == [True, gpu]  # the blocks' kernels too
     assert tight.train_losses == roomy.train_losses
