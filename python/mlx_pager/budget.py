@@ -116,6 +116,9 @@ class MemoryPlan:
     max_page: int
     margin: int = 0  # kept free: the governor acts when the process nears budget - margin
     given: bool = True  # the user's --memory-budget (False: the default, memlimit.default_budget)
+    # The pages the least placement holds at once, where more than one
+    # block's: a block's and its spilled checkpoints read back (placement.py).
+    least_pages: int = 0
 
     @property
     def fixed_without_activations(self) -> int:
@@ -131,13 +134,23 @@ class MemoryPlan:
         return self.budget - self.fixed
 
     @property
+    def least_page_budget(self) -> int:
+        """What the pages need at least: one block's, or the least
+        placement's pages where it spills checkpoints."""
+        return max(self.max_page, self.least_pages)
+
+    @property
     def minimum(self) -> int:
-        """The smallest budget that holds one block page besides the rest."""
-        return self.fixed + self.max_page
+        """The smallest budget that holds the least pages besides the rest."""
+        return self.fixed + self.least_page_budget
 
     def breakdown(self) -> str:
+        spilled = self.least_pages - self.max_page
+        pages = f"one block page {format_size(self.max_page)}"
+        if spilled > 0:
+            pages += f" + spilled checkpoints read back {format_size(spilled)}"
         return (
-            f"one block page {format_size(self.max_page)} + resident set "
+            f"{pages} + resident set "
             f"(embeddings, norm, head) {format_size(self.resident)} + adapters and "
             f"optimizer state {format_size(self.trainable)} + activations "
             f"{format_size(self.activations)} + process {format_size(self.baseline)} "
@@ -147,7 +160,7 @@ class MemoryPlan:
     def check(self) -> None:
         """Raises BudgetError naming the minimum when the budget cannot hold
         one block page besides everything else."""
-        if self.page_budget < self.max_page:
+        if self.page_budget < self.least_page_budget:
             from .memlimit import budget_named, raise_advice
 
             raise BudgetError(

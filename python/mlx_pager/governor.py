@@ -219,7 +219,7 @@ class Governor:
                 self._rung("readahead", rss, f"process at {format_size(rss)}: readahead off")
         over = rss - limit
         page_budget = self.page_budget
-        floor = max(self.plan.max_page, self.min_page_budget)
+        floor = max(self.plan.least_page_budget, self.min_page_budget)
         # Shrink from what the pages use now (a generous budget may be far
         # above it), by what the process is over.
         stats = getattr(self.pager, "stats", None)

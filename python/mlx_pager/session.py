@@ -781,6 +781,11 @@ def open_session(
             probe_tail()
     least = placement.smallest(shape, sizes)
     plan.activations = least.activations
+    # A least placement that spills reads checkpoints back beside a block's
+    # pages: the budget must hold them (counted as one block page, budgets
+    # just above it were taken, and the first backward stopped on a full
+    # page budget: a sweep, gemma2 and phi3 at 170 MB).
+    plan.least_pages = least.pages
     if budget_error is not None:
         raise BudgetError(
             f"{budget_error} This run needs at least {format_size(plan.minimum, up=True)} ({plan.breakdown()})."

@@ -65,6 +65,21 @@ def test_plan_too_small_names_the_minimum():
     ).check()
 
 
+def test_a_least_placement_that_spills_needs_its_checkpoint_pages_too():
+    """Where the least placement spills checkpoints, reading them back
+    needs pages beside a block's: the least budget counts them (a budget
+    holding one block page was taken, and the first backward stopped on a
+    full page budget)."""
+    sizes = dict(baseline=5 * 10**7, resident=10**7, trainable=10**6, activations=2 * 10**7, slack=10**7)
+    one_block = MemoryPlan(budget=10**9, max_page=3 * 10**7, **sizes).minimum
+    plan = MemoryPlan(budget=one_block, max_page=3 * 10**7, least_pages=5 * 10**7, **sizes)
+    assert plan.minimum == one_block + 2 * 10**7
+    with pytest.raises(BudgetError) as e:
+        plan.check()
+    assert "spilled checkpoints read back 20.00MB" in str(e.value)
+    MemoryPlan(budget=plan.minimum, max_page=3 * 10**7, least_pages=5 * 10**7, **sizes).check()
+
+
 def test_a_size_rounded_up_reads_back_as_at_least_itself():
     """format_size(n, up=True), the least a message tells the user to give:
     parse_size of it is n or more, and within a hundredth of its unit."""
