@@ -132,6 +132,8 @@ class Session:
     # The frozen prefix's window (prefix.py): its steps, and how many of
     # them have run (loop.py sets it; the schedule follows).
     window: Tuple[int, int] = (1, 0)
+    # mx.compile is off for this session (open_session): put back on close.
+    compile_disabled: bool = False
 
     def memory_now(self) -> dict:
         """Checkpoints held in memory and on the SSD now (memory traces)."""
@@ -230,6 +232,9 @@ class Session:
         self.weights.pager.evict_all()
         self.weights.pager.drop_kept_frame()  # the frame and pool kept for reads (mlx_frames.h)
         release_heap()
+        if self.compile_disabled:
+            self.compile_disabled = False
+            mx.enable_compile()
 
     @property
     def pool(self) -> int:
@@ -579,7 +584,39 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
             mx.eval([d.m for d in doras])
 
 
-def open_session(
+def open_session(args, *rest, **kwargs) -> Session:
+    """Pages `model`, attaches adapters (`attach_adapters()`, called after the
+    frozen weights are registered), plans the budget and starts governing
+    (_open_session, whose arguments it takes).
+
+    Where the memory limit leaves the CPU backend's compiler no room beside
+    the budget (jit.tail_compile_refused), mx.compile is off for the whole
+    session, MLX's own compiled functions (activations) and the optimizer
+    update included, from before the start-up probes: each new kernel is
+    built by the system compiler in a child process the cgroup charges, and
+    under a hard cap equal to the budget a cold kernel cache had the run
+    killed (gemma3_text, 1024 tokens, 214.69 MB: it trains with the kernels
+    cached). Session.close() turns it back on."""
+    budget = None
+    if getattr(args, "page_budget", None) is None:
+        try:
+            budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
+        except (BudgetError, RuntimeError):
+            budget = None  # _open_session says why
+    disable = budget is not None and jit.tail_compile_refused(budget) is not None
+    if disable:
+        mx.disable_compile()
+    try:
+        session = _open_session(args, *rest, **kwargs)
+    except BaseException:
+        if disable:
+            mx.enable_compile()
+        raise
+    session.compile_disabled = disable
+    return session
+
+
+def _open_session(
     args,
     model: nn.Module,
     config: dict,
@@ -590,12 +627,10 @@ def open_session(
     say: Callable[[str], None],
     prep_progress: Optional[Callable[[int, int], None]] = None,
 ) -> Session:
-    """Pages `model`, attaches adapters (`attach_adapters()`, called after the
-    frozen weights are registered), plans the budget and starts governing.
-
-    `datasets`: the CacheDatasets the run will iterate (sizes the
-    activations). Raises BudgetError naming the minimum budget when the
-    budget cannot hold one block page besides everything else."""
+    """open_session's body. `datasets`: the CacheDatasets the run will
+    iterate (sizes the activations). Raises BudgetError naming the minimum
+    budget when the budget cannot hold one block page besides everything
+    else."""
     model.freeze()
     # What an earlier run in this process left (its pages, until its objects
     # are collected; MLX's cache) is not this run's baseline.

@@ -18,11 +18,13 @@ def test_a_tail_is_compiled_on_the_cpu_only_with_room_for_the_compiler():
 
 def test_a_session_under_a_tight_limit_runs_its_step_uncompiled(models, tmp_path, monkeypatch):
     """The session asks jit before it builds its Blocks: under a limit that
-    leaves the compiler no room neither the tail nor the blocks are
-    compiled, with the same losses."""
+    leaves the compiler no room nothing is compiled (the tail, the blocks,
+    and through mx.disable_compile MLX's own compiled functions), with the
+    same losses."""
     from test_session import run_one_step
 
     from mlx_pager import step
+    from mlx_pager.callbacks import PagerCallback
 
     made = []
     blocks = step.Blocks
@@ -36,8 +38,17 @@ def test_a_session_under_a_tight_limit_runs_its_step_uncompiled(models, tmp_path
     monkeypatch.setattr(jit, "memory_limit", lambda: None)  # whatever this machine has
     roomy = run_one_step(model, tmp_path, "roomy", memory_budget="2GB")
     monkeypatch.setattr(jit, "memory_limit", lambda: 2 * 10**9 + jit.COMPILER_BYTES - 1)
-    tight = run_one_step(model, tmp_path, "tight", memory_budget="2GB")
+
+    class Seen(PagerCallback):
+        def on_session(self, s):
+            self.session, self.disabled = s, s.compile_disabled
+
+    seen = Seen()
+    tight = run_one_step(model, tmp_path, "tight", seen, memory_budget="2GB")
     gpu = mx.default_device().type != mx.DeviceType.cpu
     assert [b.tail.compile for b in made] == [True, gpu]
     assert [b.compile for b in made] == [True, gpu]  # the blocks' kernels too
+    # and mx.compile itself (MLX's own compiled activations, the update),
+    # for the session only
+    assert seen.disabled == (not gpu) and not seen.session.compile_disabled
     assert tight.train_losses == roomy.train_losses
