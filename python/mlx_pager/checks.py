@@ -243,7 +243,8 @@ def check_data(args) -> None:
         # mlx-lm's batches need batch_size records: training's, each
         # validation's (valid.jsonl is optional) and --test's.
         used = name in need or (name == "valid" and args.train and n > 0)
-        used = used and getattr(args, f"{'val' if name == 'valid' else name}_batches", 1) != 0
+        if getattr(args, {"valid": "val_batches", "test": "test_batches"}.get(name, ""), 1) == 0:
+            used = False  # --val-batches 0 / --test-batches 0: never read
         if used and n < args.batch_size:
             raise ValueError(
                 f"{f} has {n} records, fewer than --batch-size {args.batch_size}: lower --batch-size or add data"

@@ -63,7 +63,7 @@ from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_siz
 from .checks import check_blocks_unpatched, check_budget_fits, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
-from .memlimit import budget_named, default_budget, raise_advice
+from .memlimit import budget_named, budget_or_default, raise_advice
 from .session import model_path_of, plan_slack
 from .simulate import waited
 from .store import PagedWeights
@@ -509,7 +509,7 @@ def load_paged(
     from mlx_lm.utils import load_model, load_tokenizer
 
     return_freed_memory_to_os()
-    budget = parse_size(memory_budget) if memory_budget is not None else default_budget()
+    budget = budget_or_default(memory_budget)
     if memory_budget is not None:
         check_budget_fits(budget)
     path = resolve_model_path(str(model_path))

@@ -16,8 +16,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Tuple
 
+from .budget import format_size, parse_size
+
 # cgroup v1 writes "no limit" as a huge page-aligned number.
 _UNLIMITED = 1 << 62
+
+# What limit_and_source names as the limit where the cgroup's is below RAM.
+CGROUP = "the memory cgroup's limit"
 
 # The default budget's share of the memory limit (MLX's own default memory
 # limit is the same share of RAM).
@@ -86,7 +91,7 @@ def limit_and_source() -> Tuple[Optional[int], str]:
     else RAM ("RAM"); (None, "") where neither is known."""
     cg, ram = cgroup_limit(), physical_memory()
     if cg is not None and (ram is None or cg < ram):
-        return cg, "the memory cgroup's limit"
+        return cg, CGROUP
     if ram is not None:
         return ram, "RAM"
     return None, ""
@@ -106,14 +111,18 @@ def default_budget() -> int:
     return int(DEFAULT_SHARE * limit)
 
 
+def budget_or_default(memory_budget) -> int:
+    """The budget in bytes: `memory_budget` as given ("12GB", bytes), or
+    default_budget() where it is None."""
+    return parse_size(memory_budget) if memory_budget is not None else default_budget()
+
+
 def default_budget_text() -> str:
     """Where the default budget comes from, for a run's header and its
     errors: '80% of RAM' or "80% of the memory cgroup's 700.00MB limit"."""
-    from .budget import format_size
-
     limit, source = limit_and_source()
     share = f"{DEFAULT_SHARE:.0%}"
-    if source == "the memory cgroup's limit":
+    if source == CGROUP:
         return f"{share} of the memory cgroup's {format_size(limit)} limit"
     return f"{share} of RAM"
 
@@ -121,8 +130,6 @@ def default_budget_text() -> str:
 def budget_named(budget: int, given: bool) -> str:
     """The budget as an error names it: the flag, or the default and where
     it comes from (a user who passed no --memory-budget did not choose it)."""
-    from .budget import format_size
-
     if given:
         return f"--memory-budget {format_size(budget)}"
     return f"the default memory budget {format_size(budget)} ({default_budget_text()})"
@@ -132,12 +139,10 @@ def raise_advice(need: int, given: bool) -> str:
     """What to do about a budget below `need` bytes: a larger
     --memory-budget where the memory limit allows one, else a larger limit
     (advice past the limit would have the kernel kill the run)."""
-    from .budget import format_size
-
     want = format_size(need, up=True)
     limit, source = limit_and_source()
     if limit is not None and need > limit:
-        where = "the memory cgroup's limit" if source != "RAM" else "this machine's RAM"
+        where = CGROUP if source == CGROUP else "this machine's RAM"
         return (
             f"This process may use at most {format_size(limit)} ({where}): raise that to {want} or more and "
             f"pass --memory-budget {want}"

@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from . import jit, placement, prefix, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
-from .memlimit import default_budget
+from .memlimit import budget_or_default
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_footprints, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -484,7 +484,7 @@ def estimated_page_budget(args, model, config, seq_len: int, baseline: int, outs
     if args.page_budget is not None:
         return parse_size(args.page_budget, "page_budget")
     try:
-        budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
+        budget = budget_or_default(args.memory_budget)
     except BudgetError:
         return None
     params = [v for _, v in tree_flatten(model.parameters())]
@@ -600,7 +600,7 @@ def open_session(args, *rest, **kwargs) -> Session:
     budget = None
     if getattr(args, "page_budget", None) is None:
         try:
-            budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
+            budget = budget_or_default(args.memory_budget)
         except (BudgetError, RuntimeError):
             budget = None  # _open_session says why
     disable = budget is not None and jit.tail_compile_refused(budget) is not None
@@ -685,7 +685,7 @@ def _open_session(
     act_itemsize = (floating[0] if floating else mx.float32).size
     plan_budget, budget_error = 0, None
     try:
-        plan_budget = parse_size(args.memory_budget) if args.memory_budget is not None else default_budget()
+        plan_budget = budget_or_default(args.memory_budget)
     except BudgetError as e:
         budget_error = e
     max_page = weights.max_block_charge
