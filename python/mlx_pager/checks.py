@@ -32,13 +32,13 @@ def data_formats(args=None) -> tuple:
     )
 
 
-def _positive(args, name: str, also: str = ""):
-    """A whole number of at least 1; `also` names what -1 and 0 mean where
-    mlx-lm takes them (then they are allowed)."""
+def _positive(args, name: str, also: str = "", least: int = -1):
+    """A whole number of at least 1; `also` names what the values from
+    `least` up to 0 mean where mlx-lm takes them (then they are allowed)."""
     v = getattr(args, name, None)
     if v is None:
         return
-    ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or (also and v >= -1))
+    ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 1 or (also and v >= least))
     if not ok:
         flag = "--" + name.replace("_", "-")
         extra = f" ({also})" if also else ""
@@ -59,7 +59,6 @@ def check_flags(args) -> None:
         raise ValueError("Must provide at least one of --train or --test")
     for name in (
         "batch_size",
-        "iters",
         "steps_per_report",
         "steps_per_eval",
         "save_every",
@@ -71,6 +70,9 @@ def check_flags(args) -> None:
     # max(n, 0) blocks, and [-0:] is all); --val-batches / --test-batches -1
     # evaluate the whole set, 0 none (the loss reads nan).
     _positive(args, "num_layers", also="or 0 or -1 for all")
+    # --iters 0 trains nothing and writes the adapters as initialised, as
+    # mlx-lm's loop of zero iterations does.
+    _positive(args, "iters", also="or 0 to write untrained adapters", least=0)
     for name in ("val_batches", "test_batches"):
         _positive(args, name, also="or -1 for all, 0 for none")
     if args.max_seq_length is not None and args.max_seq_length < 2:

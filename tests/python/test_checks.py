@@ -147,7 +147,7 @@ def test_missing_data_dir_and_model_dir(capsys, model, tmp_path):
         ("--readahead", -1, "--readahead must be 0"),
         ("--page-parts", 0, "--page-parts must be 'auto', 1"),
         ("--prefix-ahead", 0, "--prefix-ahead must be 'auto', 1 (off)"),
-        ("--iters", 0, "--iters must be"),
+        ("--iters", -1, "--iters must be a whole number of at least 1 (or 0 to write untrained adapters)"),
         ("--num-layers", -2, "--num-layers must be a whole number of at least 1 (or 0 or -1 for all)"),
         ("--val-batches", -2, "(or -1 for all, 0 for none)"),
         ("--memory-budget", "abc", "invalid --memory-budget 'abc'"),

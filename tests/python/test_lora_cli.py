@@ -191,6 +191,24 @@ def test_zero_layers_and_zero_batches_mean_what_they_mean_to_mlx_lm(models, tmp_
     assert {int(k.split(".")[2]) for k in g} == set(range(layers))  # every block trained
 
 
+def test_zero_iterations_write_the_untrained_adapters_as_mlx_lm_does(models, tmp_path):
+    """--iters 0: mlx-lm's loop runs no iteration (and draws no batch), then
+    saves the adapters as initialised; --test then evaluates them. mlx-pager
+    refused --iters 0."""
+    model = models("llama", None)
+    flags = ["--model", model, "--train", "--test", "--data", SAMPLE, "--iters", 0, "--batch-size", 2]
+    flags += ["--num-layers", 2, "--test-batches", 2, "--seed", 5]
+    ref = cli("mlx_lm", *flags, "--adapter-path", tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    got = cli("mlx_pager", *flags, "--adapter-path", tmp_path / "got", "--memory-budget", "2GB")
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert table(got.stdout) == table(ref.stdout) == ([], [])
+    test_line = re.compile(r"Test loss [\d.]+, Test ppl [\d.]+\.")
+    assert test_line.findall(got.stdout) == test_line.findall(ref.stdout) and test_line.findall(ref.stdout)
+    r, g = (mx.load(str(tmp_path / d / "adapters.safetensors")) for d in ("ref", "got"))
+    assert r.keys() == g.keys() and all(mx.array_equal(r[k], g[k]).item() for k in r)
+
+
 def test_reports_come_in_mlx_lm_s_order_with_accumulation(models, tmp_path, capsys):
     """A validation inside a group of k micro-batches runs before the
     group's steps (it draws from NumPy between two batches), but its report
