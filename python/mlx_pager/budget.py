@@ -43,6 +43,15 @@ _FORMAT = "a number and a unit with no space, e.g. 12GB, 512MB or 1.5GiB (units:
 CACHE_SLACK = 48 << 20
 
 
+def baseline_spread(baseline: int) -> int:
+    """How far the process's baseline (its RSS as the session opens) moves
+    between runs of one command: the least budget a refusal names holds it,
+    so that the same command given that budget is not refused again (a
+    sweep: "at least 183.20MB", then given it, "at least 183.46MB", then
+    183.75MB; baselines of one command measured 95.9-97.0 MB)."""
+    return max(2 << 20, int(baseline) // 100)
+
+
 class BudgetError(ValueError):
     """A memory budget that cannot be used; the message says what would."""
 
@@ -144,6 +153,12 @@ class MemoryPlan:
         """The smallest budget that holds the least pages besides the rest."""
         return self.fixed + self.least_page_budget
 
+    @property
+    def least(self) -> int:
+        """The least budget a message names: the minimum, and the baseline's
+        spread from run to run (breakdown lists both)."""
+        return self.minimum + baseline_spread(self.baseline)
+
     def breakdown(self) -> str:
         spilled = self.least_pages - self.max_page
         pages = f"one block page {format_size(self.max_page)}"
@@ -154,6 +169,7 @@ class MemoryPlan:
             f"(embeddings, norm, head) {format_size(self.resident)} + adapters and "
             f"optimizer state {format_size(self.trainable)} + activations "
             f"{format_size(self.activations)} + process {format_size(self.baseline)} "
+            f"+ its spread from run to run {format_size(baseline_spread(self.baseline))} "
             f"+ slack {format_size(self.slack + self.margin)}"
         )
 
@@ -165,7 +181,7 @@ class MemoryPlan:
 
             raise BudgetError(
                 f"{budget_named(self.budget, self.given)} is too small for this "
-                f"model and batch: it needs at least {format_size(self.minimum, up=True)} "
-                f"({self.breakdown()}). {raise_advice(int(self.minimum * 1.05), self.given)}, "
+                f"model and batch: it needs at least {format_size(self.least, up=True)} "
+                f"({self.breakdown()}). {raise_advice(int(self.least * 1.05), self.given)}, "
                 "or lower --max-seq-length (batches are already split down to one sequence)."
             )

@@ -59,7 +59,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import carry, step
-from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
+from .budget import CACHE_SLACK, BudgetError, MemoryPlan, baseline_spread, format_size, parse_size
 from .checks import check_blocks_unpatched, check_budget_fits, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
@@ -271,14 +271,15 @@ class PagedModel:
                     "budget plans the pages)."
                 )
         if p.page_budget < p.max_page:
-            need = p.fixed + p.max_page
+            need = p.fixed + p.max_page + baseline_spread(p.baseline)
             raise BudgetError(
                 f"{budget_named(p.budget, p.given)} is too small to generate with this model: "
                 f"it needs at least {format_size(need, up=True)} (one block page {format_size(p.max_page)} + "
                 f"resident set (embeddings, norm, head) {format_size(p.resident)} + adapters "
                 f"{format_size(p.trainable)} + KV cache for {kv_tokens} tokens {format_size(kv)} + "
                 f"a {chunk}-token prompt chunk {format_size(p.activations - kv)} + process "
-                f"{format_size(p.baseline)} + slack {format_size(p.slack)}). "
+                f"{format_size(p.baseline)} + its spread from run to run {format_size(baseline_spread(p.baseline))} "
+                f"+ slack {format_size(p.slack)}). "
                 f"{raise_advice(int(need * 1.05), p.given)}, or lower --max-tokens or the prompt length."
             )
         self.kv_tokens, self.prefill_chunk = kv_tokens, chunk

@@ -823,7 +823,7 @@ def _open_session(
     plan.least_pages = least.pages
     if budget_error is not None:
         raise BudgetError(
-            f"{budget_error} This run needs at least {format_size(plan.minimum, up=True)} ({plan.breakdown()})."
+            f"{budget_error} This run needs at least {format_size(plan.least, up=True)} ({plan.breakdown()})."
         )
     plan.check()
     first_placement = placement.choose(

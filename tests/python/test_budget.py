@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_pager.budget import BudgetError, MemoryPlan, format_size, parse_size
+from mlx_pager.budget import BudgetError, MemoryPlan, baseline_spread, format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -52,8 +52,10 @@ def test_plan_too_small_names_the_minimum():
     assert plan.minimum == 5 * 10**7 + 10**7 + 10**6 + 2 * 10**7 + 10**7 + 3 * 10**7
     with pytest.raises(BudgetError) as e:
         plan.check()
-    assert format_size(plan.minimum, up=True) in str(e.value)
-    assert "one block page" in str(e.value)
+    # the least named holds the baseline's spread from run to run
+    assert plan.least == plan.minimum + baseline_spread(plan.baseline) > plan.minimum
+    assert f"at least {format_size(plan.least, up=True)}" in str(e.value)
+    assert "one block page" in str(e.value) and "its spread from run to run 2.10MB" in str(e.value)
     MemoryPlan(
         budget=plan.minimum,
         baseline=5 * 10**7,
