@@ -18,6 +18,13 @@ ladder of remedies, cheapest first, the way an OS reclaims before it kills:
   6. stop         nothing smaller fits: the run saves its adapters and stops,
                   naming the budget that would fit.
 
+Steps whose peak (the kernel's high-water mark) went over the budget
+between the governor's samples, inside one block's graph, two in a row,
+move the next steps down the ladder (Session.after_step): a placement that needs less, or
+the blocks uncompiled; where the plan then needs more than the budget, an
+``over`` event names the budget it needs, and the run goes on under the
+ladder above.
+
 Every rung taken is recorded (``rungs``: what, when, the RSS) and shown by
 ``--report`` and ``mlx-pager plot``. ``lower_budget`` lowers the budget of
 a running process (the test hook that forces each rung).

@@ -221,6 +221,9 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
             # the OS before the step runs again, from the pager's first access.
             gc.collect()
             release_heap()
+            # The step's peak is the try that runs (the run's keeps this one's).
+            s.gov.peak_rss = max(s.gov.peak_rss, peak_rss())
+            reset_peak_rss()
             s.use_step_schedule()
         p = s.placement
         owner, mbs = [], []
@@ -567,6 +570,7 @@ def train(
             # step's pages make room for it.
             if s.learn_peak(step_peak, probe["placement"], probe["page_budget"]):
                 s.replan(refresh=True)
+            s.after_step(step_peak)  # a peak over the budget between the governor's samples
             cb.progress_advance(len(group))
 
             for j, loss, ntok in zip(its, step_losses, toks):

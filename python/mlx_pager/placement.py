@@ -386,6 +386,24 @@ def choose(
     return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
 
 
+def least(step: Step, sizes: Sizes, ceiling: Optional[Placement] = None) -> Placement:
+    """The placement that needs the least memory among those `ceiling`
+    allows (as choose's): where nothing fits, the one to run
+    (Session.after_step)."""
+    allowed = [
+        p
+        for p in candidates(step, sizes)
+        if ceiling is None
+        or (
+            p.parts >= ceiling.parts
+            and p.tail_start >= ceiling.tail_start
+            and p.spilled >= ceiling.spilled
+            and p.ahead <= ceiling.ahead
+        )
+    ]
+    return min(allowed or candidates(step, sizes), key=lambda p: (p.need, p.cost))
+
+
 def smallest(step: Step, sizes: Sizes) -> Placement:
     """The placement that needs the least memory (every block recomputed,
     one row per micro-batch): what the budget must hold at the least."""

@@ -134,6 +134,10 @@ class Session:
     window: Tuple[int, int] = (1, 0)
     # mx.compile is off for this session (open_session): put back on close.
     compile_disabled: bool = False
+    # Steps in a row whose peak went over the budget, and whether the run
+    # was told that its plan needs more than the budget (after_step).
+    overs: int = 0
+    told_over: bool = False
 
     def memory_now(self) -> dict:
         """Checkpoints held in memory and on the SSD now (memory traces)."""
@@ -250,7 +254,8 @@ class Session:
         self.spill_store(p)
         self.plan.activations = p.activations
         page_budget = self.plan.page_budget if self.page_cap is None else min(self.page_cap, self.plan.page_budget)
-        self.gov.set_page_budget(page_budget)
+        # (At least its pages: after_step may place one that does not fit.)
+        self.gov.set_page_budget(max(p.pages, page_budget))
         self.gov.min_page_budget = p.pages
         # MLX keeps freed buffers for reuse up to its cache limit (32 MB by
         # default on the CPU): beyond it, every step's activations are freed
@@ -294,7 +299,8 @@ class Session:
         next one; `smaller`: one that needs less memory than the current one
         (a step did not fit; the run never goes back above it); `refresh`:
         place it even if unchanged (the plan's fixed part changed). Returns
-        False when nothing fits."""
+        False when nothing fits (the placement stays: predictions err high,
+        and the governor watches the steps; after_step acts on a measure)."""
         if probe:
             self.sizes.learn(probe)
             self.follow_pages()
@@ -329,6 +335,50 @@ class Session:
                 if rung is not None:
                     self.gov.record(rung, f"next step: {placement.describe(p, len(self.model.layers))}")
         return True
+
+    def after_step(self, peak: int) -> None:
+        """Takes in a step's peak RSS (the kernel's high-water mark). Where
+        it went over the budget a second step in a row (once may be a one-off:
+        a first step's compiling, graphs of shapes the governor let go of
+        mid-step), inside a block's graph between the governor's samples, the
+        next steps run with a placement that needs less: one that fits where
+        the sizes measured leave one, else the one that needs the least, or
+        with none left, uncompiled; and the run is told once what budget the
+        plan needs. (A DoRA run at 1.05x its least budget peaked 7% over it
+        every step, its plan predicting more than the budget, and said
+        nothing.)"""
+        self.overs = self.overs + 1 if peak > self.plan.budget else 0
+        if self.overs < 2:
+            return
+        old = self.placement
+        if not self.replan(smaller=True):
+            least = placement.least(self.shape, self.sizes, self.ceiling)
+            if least.need < old.need:
+                self.ceiling = least
+                self.place(least)
+        p = self.placement
+        if p != old:
+            self.gov.record(
+                "split" if p.parts > old.parts else "spill" if p.spilled > old.spilled else "recompute",
+                f"a step peaked at {format_size(peak)}, over the budget: the next with "
+                f"{placement.describe(p, len(self.model.layers))}",
+                tail_start=p.tail_start,
+                parts=p.parts,
+            )
+        elif self.blocks.stop_compiling():
+            self.gov.record(
+                "uncompile", f"a step peaked at {format_size(peak)}, over the budget: the blocks run uncompiled"
+            )
+        need = self.plan.fixed_without_activations + p.need
+        if need > self.plan.budget and not self.told_over:
+            self.told_over = True
+            self.gov.record(
+                "over",
+                f"the steps measured more than the start-up planned: the least placement left needs "
+                f"{format_size(need, up=True)}, over --memory-budget {format_size(self.plan.budget)}; the run "
+                f"goes on, its steps split or stopped where the governor finds the budget reached. Give "
+                f"--memory-budget {format_size(need, up=True)} or more to run within it",
+            )
 
     def learn_peak(self, measured: int, ran: "placement.Placement", page_budget: int) -> bool:
         """Takes in a step's measured peak RSS (the kernel's high-water

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from mlx_pager.budget import MemoryPlan
+from mlx_pager.budget import MemoryPlan, format_size
 from mlx_pager.governor import Governor, MemoryPressure, process_rss, return_freed_memory_to_os
 
 
@@ -366,6 +366,47 @@ def test_memory_the_plan_did_not_count_joins_its_slack(ladder_model, ladder_data
         assert s["step_peak_rss_bytes"] <= s["predicted_peak_bytes"], s
     # each step's record names the page budget it ran with
     assert [s["page_budget_bytes"] for s in steps] == [hog.pages[i][0] for i in range(1, len(steps) + 1)]
+
+
+def test_steps_that_peaked_over_the_budget_move_the_next_down_the_ladder(ladder_model, ladder_data, tmp_path):
+    """A step's peak over the budget inside a block's graph, between the
+    governor's samples (a DoRA run at 1.05x its least budget peaked 7% over
+    it every step): the run went on as it was, its plan predicting more than
+    the budget, and said nothing. After two such steps in a row (one may be
+    a one-off) the next run with a placement that needs less: one that fits,
+    else the one that needs the least, and then the run is told once what
+    budget its plan needs. Here the budget is lowered after step 1 under
+    what the least placement needs, and the peaks of two steps over it are
+    taken in."""
+
+    class Under(PagerCallback):
+        def on_session(self, session):
+            self.s = session
+
+        def on_step(self, record):
+            s = self.s
+            self.ran = s.placement
+            s.gov.lower_budget(s.plan.fixed_without_activations)
+            peak = record["step_peak_rss_bytes"]
+            s.after_step(s.plan.budget - 1)  # under: no step in a row
+            s.after_step(peak)
+            self.once = s.placement  # one step over: a one-off, maybe
+            s.after_step(peak)
+            self.need = s.plan.fixed_without_activations + s.placement.need
+            # (the loop then takes in this step's peak: a third over)
+
+    cb = Under()
+    res, _ = ladder_run(ladder_model, ladder_data, tmp_path, iters=1, cb=cb)
+    s, names = cb.s, rung_names(res)
+    least = placement.least(s.shape, s.sizes)
+    assert cb.once == cb.ran and cb.ran.need > least.need
+    assert s.placement == s.ceiling == least, (cb.ran, s.placement, least)
+    assert {"recompute", "split", "spill"} & set(names), names
+    need = cb.need  # when told (the loop learns the step's peak after)
+    # the loop's own look at the step: nothing needs less, so uncompiled
+    assert names[-3:] == [names[-3], "over", "uncompile"] and names.count("over") == 1, names
+    over = next(r for r in res.governor_rungs if r["rung"] == "over")
+    assert f"--memory-budget {format_size(need, up=True)} or more" in over["what"]
 
 
 def test_the_slack_holds_a_full_cache_beside_the_memory_outside_mlx(ladder_model, ladder_data, tmp_path):
