@@ -301,6 +301,32 @@ def check_adapter_keys(model, lora_parameters: dict) -> None:
         )
 
 
+def check_backend_ops(model) -> None:
+    """Refuses, before anything is paged, a model whose layers need an op
+    this MLX backend does not run for their dtype: MLX's CPU backend runs
+    gather_mm (the experts of an unquantized mixture-of-experts layer,
+    mlx-lm's SwitchLinear) in float32 only; a bf16 mixtral failed in its
+    first validation with a traceback, as mlx_lm.lora fails. Asked of the
+    backend itself, on two tiny arrays per dtype, so a backend that runs
+    them (Metal; the CPU once MLX adds them) is not refused."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    dtypes = {m.weight.dtype for _, m in model.named_modules() if isinstance(m, SwitchLinear) and "weight" in m}
+    for dtype in sorted(dtypes - {mx.float32}, key=str):
+        try:
+            a, b = mx.zeros((1, 1, 1, 4), dtype=dtype), mx.zeros((2, 4, 2), dtype=dtype)
+            mx.eval(mx.gather_mm(a, b, rhs_indices=mx.array([[1]], dtype=mx.uint32)))
+        except RuntimeError as e:
+            kind = getattr(model, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+            raise ValueError(
+                f"{kind}: its mixture-of-experts layers hold {str(dtype).rsplit('.', 1)[-1]} weights, and this "
+                f"MLX backend cannot multiply them (gather_mm: {e}); mlx-lm fails the same way. Use a "
+                "quantized model (mlx_lm.convert -q), or one converted to float32, or a backend that runs "
+                "them (Metal)"
+            ) from None
+
+
 def check_pageable(model, generation: bool = False) -> None:
     """Refuses, before any data is loaded or any page read, a model whose
     blocks cannot be paged (layers.NotPageable, one line: the architecture

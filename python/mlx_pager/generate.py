@@ -60,7 +60,7 @@ from mlx.utils import tree_flatten
 
 from . import carry, step
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, baseline_spread, format_size, parse_size
-from .checks import check_blocks_unpatched, check_budget_fits, check_pageable
+from .checks import check_backend_ops, check_blocks_unpatched, check_budget_fits, check_pageable
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
 from .memlimit import budget_named, budget_or_default, raise_advice
@@ -519,6 +519,7 @@ def load_paged(
     model, config = load_model(path, lazy=True, trust_remote_code=trust_remote_code)
     check_blocks_unpatched(model)
     check_pageable(model, generation=True)
+    check_backend_ops(model)
     tokenizer = load_tokenizer(
         path,
         dict(tokenizer_config or {}, trust_remote_code=trust_remote_code),

@@ -75,13 +75,14 @@ def load_lazy(args):
     still on disk, as mlx_lm.load(..., lazy=True) returns it."""
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from .checks import check_blocks_unpatched, check_pageable
+    from .checks import check_backend_ops, check_blocks_unpatched, check_pageable
 
     model_path = model_path_of(args.model)
     swapcache.check_model_files(model_path)  # a corrupt shard: one error naming it
     model, config = load_model(model_path, lazy=True, trust_remote_code=args.trust_remote_code)
     check_blocks_unpatched(model)
     check_pageable(model)
+    check_backend_ops(model)
     tokenizer = load_tokenizer(
         model_path, {"trust_remote_code": args.trust_remote_code}, eos_token_ids=config.get("eos_token_id", None)
     )

@@ -189,3 +189,38 @@ def test_blocks_patched_by_mlx_lm_grad_checkpoint_are_refused(capsys, model, tmp
     assert rc != 0
     assert "grad_checkpoint earlier in this process" in err and "fresh process" in err
     assert not (tmp_path / "a" / "adapters.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "4bit"])
+def test_experts_the_backend_cannot_multiply_are_named_before_anything_is_paged(capsys, tmp_path, dtype):
+    """MLX's CPU backend runs gather_mm (an unquantized mixture-of-experts
+    layer's experts) in float32 only: a bf16 mixtral failed in its first
+    validation with a traceback, as mlx_lm.lora does. Refused in one line
+    where the backend cannot (asked of the backend, so Metal is not), for
+    training and generation alike; a 4-bit one (gather_qmm) trains."""
+    import mlx.core as mx
+
+    from mlx_pager import architectures as A
+    from mlx_pager.cli import generate_main
+
+    path = A.build("mixtral", dtype, tmp_path / "m")
+    try:
+        mx.eval(
+            mx.gather_mm(
+                mx.zeros((1, 1, 1, 4), mx.bfloat16),
+                mx.zeros((2, 4, 2), mx.bfloat16),
+                rhs_indices=mx.array([[1]], mx.uint32),
+            )
+        )
+        refused = False
+    except RuntimeError:
+        refused = dtype == "bf16"
+    rc, err = lora(capsys, *base(path, tmp_path), "--batch-size", 2)
+    if not refused:
+        assert rc == 0, err
+        return
+    assert rc == 2 and "mixtral: its mixture-of-experts layers hold bfloat16 weights" in one_line(err), err
+    assert "Use a quantized model" in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    rc = generate_main(["--model", str(path), "--prompt", "hi", "--max-tokens", "2", "--memory-budget", "1GB"])
+    assert rc == 2 and "hold bfloat16 weights" in capsys.readouterr().err
