@@ -271,7 +271,7 @@ class PagedModel:
                     "budget plans the pages)."
                 )
         if p.page_budget < p.max_page:
-            need = p.fixed + p.max_page + baseline_spread(p.baseline)
+            need = p.least
             raise BudgetError(
                 f"{budget_named(p.budget, p.given)} is too small to generate with this model: "
                 f"it needs at least {format_size(need, up=True)} (one block page {format_size(p.max_page)} + "

@@ -307,7 +307,7 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
                     f"{format_size(need, up=True)}, or lower --max-seq-length."
                 ) from None
             q = s.placement
-            rung = "split" if q.parts > p.parts else "spill" if q.spilled > p.spilled else "recompute"
+            rung = placement.rung(p, q) or "recompute"
             s.gov.record(
                 rung,
                 f"iteration {it} did not fit: running it again with {placement.describe(q, len(s.model.layers))}",

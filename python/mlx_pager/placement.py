@@ -361,16 +361,7 @@ def choose(
     (fewest reads), or where nothing is read, not ahead (nothing to
     save)."""
     fits = [p for p in candidates(step, sizes) if p.need <= pool and (page_cap is None or p.pages <= page_cap)]
-    for bound in (at_most, ceiling):
-        if bound is not None:
-            fits = [
-                p
-                for p in fits
-                if p.parts >= bound.parts
-                and p.tail_start >= bound.tail_start
-                and p.spilled >= bound.spilled
-                and p.ahead <= bound.ahead
-            ]
+    fits = [p for p in fits if _below(p, at_most) and _below(p, ceiling)]
     if at_most is not None:
         # Less than `at_most` needs by today's sizes.
         below = evaluate(step, sizes, at_most.tail_start, at_most.parts, at_most.spilled, at_most.ahead).need
@@ -386,22 +377,33 @@ def choose(
     return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
 
 
+def _below(p: Placement, bound: Optional[Placement]) -> bool:
+    """Whether `p` is at or down the ladder from `bound` (None: no bound): no
+    longer tail, no fewer spilled blocks or parts, the prefix no further ahead."""
+    return bound is None or (
+        p.parts >= bound.parts
+        and p.tail_start >= bound.tail_start
+        and p.spilled >= bound.spilled
+        and p.ahead <= bound.ahead
+    )
+
+
 def least(step: Step, sizes: Sizes, ceiling: Optional[Placement] = None) -> Placement:
     """The placement that needs the least memory among those `ceiling`
     allows (as choose's): where nothing fits, the one to run
     (Session.after_step)."""
-    allowed = [
-        p
-        for p in candidates(step, sizes)
-        if ceiling is None
-        or (
-            p.parts >= ceiling.parts
-            and p.tail_start >= ceiling.tail_start
-            and p.spilled >= ceiling.spilled
-            and p.ahead <= ceiling.ahead
-        )
-    ]
+    allowed = [p for p in candidates(step, sizes) if _below(p, ceiling)]
     return min(allowed or candidates(step, sizes), key=lambda p: (p.need, p.cost))
+
+
+def rung(old: Placement, new: Placement) -> Optional[str]:
+    """The ladder's rung from `old` to `new` (governor records): "split",
+    "spill" or "recompute"; None where the tail is no shorter."""
+    if new.parts > old.parts:
+        return "split"
+    if new.spilled > old.spilled:
+        return "spill"
+    return "recompute" if new.tail_start > old.tail_start else None
 
 
 def smallest(step: Step, sizes: Sizes) -> Placement:

@@ -324,15 +324,7 @@ class Session:
             if not smaller and old is not None:
                 # The pool changed (a budget lowered, sizes measured): a
                 # placement that needs less is a rung of the ladder too.
-                rung = (
-                    "split"
-                    if p.parts > old.parts
-                    else "spill"
-                    if p.spilled > old.spilled
-                    else "recompute"
-                    if p.tail_start > old.tail_start
-                    else None
-                )
+                rung = placement.rung(old, p)
                 if rung is not None:
                     self.gov.record(rung, f"next step: {placement.describe(p, len(self.model.layers))}")
         return True
@@ -360,7 +352,7 @@ class Session:
         p = self.placement
         if p != old:
             self.gov.record(
-                "split" if p.parts > old.parts else "spill" if p.spilled > old.spilled else "recompute",
+                placement.rung(old, p) or "recompute",
                 f"a step peaked at {format_size(peak)}, over the budget: the next with "
                 f"{placement.describe(p, len(self.model.layers))}",
                 tail_start=p.tail_start,
