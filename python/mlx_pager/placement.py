@@ -79,6 +79,9 @@ class Sizes:
     block_per_token: float
     block_len: int
     block_fixed: int = 0  # bytes that do not grow with tokens (a dequantized weight)
+    # One row's block measured whole, per token (None: not measured):
+    # what a row past the most tokens measured costs at most (block()).
+    block_one_per_token: Optional[float] = None
     # The tail's measured peak, per token, at `tail_len`, for a
     # tail of `tail_blocks` blocks, measured on `tail_rows` rows (None:
     # never measured).
@@ -86,6 +89,10 @@ class Sizes:
     tail_len: int = 0
     tail_blocks: int = 0
     tail_rows: int = 1
+    # The same tail measured on one row, per token, and at what padded
+    # length (None: not measured, or another tail since).
+    tail_one_per_token: Optional[float] = None
+    tail_one_len: int = 0
     # One forward-only block's measured peak (a sweep's, with no graph kept),
     # per token, at `forward_len` (None: never measured; block() stands in).
     forward_per_token: Optional[float] = None
@@ -101,8 +108,25 @@ class Sizes:
         return int(per_token * rows * length * max(1.0, length / max(1, at_len)))
 
     def block(self, rows: int, length: int) -> int:
-        """One recomputed block's forward + vjp, for a micro-batch."""
-        return self._scale(self.block_per_token, self.block_len, rows, length) + self.block_fixed
+        """One recomputed block's forward + vjp, for a micro-batch: the line
+        through the measures (fixed + per token), up to the most tokens
+        measured; beyond them each token also costs the fixed part's share
+        of a one-row block (a row costs at most a one-row block whole). A
+        block's growth per row is not a line: a 4-bit DoRA qwen3 block of
+        512 (64 tokens a row) grew 3.0 MB a row up to 4 rows and 7.3 MB a
+        row from 4 to 16, so the line through 1 and 3 rows planned 8 rows
+        at 48 MB where they took 68 MB, and the first step peaked 10% over
+        its prediction. The line through two measures is above the curve
+        between them, not past them."""
+        line = self._scale(self.block_per_token, self.block_len, rows, length) + self.block_fixed
+        measured = self._tokens.get("block")
+        if measured is None or rows * length <= measured:
+            return line
+        one = self.block_one_per_token
+        if one is None:
+            one = self.block_per_token + self.block_fixed / max(1, self.block_len)
+        past = max(0.0, one - self.block_per_token)  # per token: a one-row block's, less the line's own
+        return line + int(past * (rows * length - measured) * max(1.0, length / max(1, self.block_len)))
 
     def forward(self, rows: int, length: int) -> int:
         """One block's forward with no graph kept (the sweep below the tail),
@@ -142,24 +166,31 @@ class Sizes:
         F <= tail_blocks * block_fixed (what no row grows) and p <= the
         blocks' and the head's growth per row:
           more rows: T0 per token (F counted each row), or, where a block
-            was measured, T0 plus the blocks' and head's growth per row,
-            the lesser; planned per
+            was measured, T0 plus the blocks' and head's growth from r0
+            rows to these (block(): past the rows measured, steeper), the
+            lesser; planned per
             token alone, a 4-bit DoRA tail measured on 1 row planned 2.8x
             what 4 rows took, and the first step split its batch;
-          fewer rows: F at its most, and what is left of T0 per row (per
-            token alone would leave F out of a split batch's parts)."""
+          fewer rows: where the tail was measured on one row too (T1),
+            the line through T1 and T0 (a tail's growth per row grows
+            with its rows, as a block's: the line is above it between its
+            measures); else F at its most, and what is left of T0 per row
+            (per token alone would leave F out of a split batch's parts)."""
         r0, n0 = self.tail_rows, self.tail_blocks
         per_token = self._scale(self.tail_per_token, self.tail_len, rows, length)
         if rows == r0:
             return per_token
         t0 = self._scale(self.tail_per_token, self.tail_len, r0, length)
+        if rows < r0 and self.tail_one_per_token is not None:
+            t1 = self._scale(self.tail_one_per_token, self.tail_one_len, 1, length)
+            return int(t1 + (t0 - t1) * (rows - 1) / (r0 - 1))
         if rows < r0:
             fixed = min(n0 * self.block_fixed, t0)
             return int(fixed + (t0 - fixed) * rows / r0)
         if "block" not in self._tokens:  # the formula's block: no bound on p
             return per_token
-        row = n0 * self._scale(self.block_per_token, self.block_len, 1, length) + 3 * length * self.vocab * 4
-        return int(min(per_token, t0 + (rows - r0) * row))
+        grown = n0 * (self.block(rows, length) - self.block(r0, length)) + (rows - r0) * 3 * length * self.vocab * 4
+        return int(min(per_token, t0 + grown))
 
     def checkpoint(self, rows: int, length: int) -> int:
         return rows * length * self.hidden * self.itemsize
@@ -176,6 +207,9 @@ class Sizes:
         A measure over fewer tokens than the one kept does not replace it
         (a short batch's per-token figure understates a long one's: fixed
         costs, attention's square)."""
+        if "block_one" in probe:
+            nbytes, length = probe["block_one"]
+            self.block_one_per_token = nbytes / max(1, length)
         if "block_fixed" in probe:
             # measured (session.open_session: one block on one sequence and
             # on a batch's); never below the formula's weight copy
@@ -198,6 +232,11 @@ class Sizes:
             nbytes, blocks, rows, length = probe["tail"]
             if blocks != self.tail_blocks:
                 self._tokens.pop("tail", None)  # another tail: its measure replaces the old one
+                self._tokens.pop("tail_one", None)
+                self.tail_one_per_token = None
+            if rows == 1 and self._tokens.get("tail_one", 0) <= length:
+                self._tokens["tail_one"] = length
+                self.tail_one_per_token, self.tail_one_len = nbytes / max(1, length), length
             if self._longer("tail", rows * length):
                 self.tail_per_token = nbytes / max(1, rows * length)
                 self.tail_len = length

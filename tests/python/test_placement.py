@@ -81,6 +81,26 @@ def test_a_measured_block_replaces_the_formula():
     assert sz.block(1, 128) == 1 * MB + 1 * MB  # the weight copy does not shrink with rows
 
 
+def test_a_block_past_the_rows_measured_is_not_planned_on_the_line():
+    """A block's growth per row is not a line (a 4-bit DoRA qwen3 block:
+    3.0 MB a row up to 4 rows, 7.3 MB a row from 4 to 16): the line through
+    two measures plans the rows between them, and past the most tokens
+    measured each row costs at most a one-row block whole."""
+    sz = sizes(block_fixed=1 * MB)
+    sz.learn({"block_fixed": 24 * MB, "block": (35 * MB, 3, 128)})  # 24 MB fixed, 11/3 MB a row
+    row = (35 * MB - 24 * MB) / 3
+    assert sz.block(3, 128) == 35 * MB and sz.block(2, 128) == int(24 * MB + 2 * row)
+    one_row = 24 * MB + row
+    assert sz.block(8, 128) == pytest.approx(35 * MB + 5 * one_row, abs=8)
+    # a one-row block measured whole (the formula's weight copy may be more
+    # than a row really holds): that, per row past the measure
+    sz.learn({"block_one": (26 * MB, 128)})
+    assert sz.block(8, 128) == pytest.approx(35 * MB + 5 * 26 * MB, abs=8)
+    assert sz.block(3, 128) == 35 * MB
+    sz.learn({"block": (70 * MB, 8, 128)})  # measured on the batch: the line again
+    assert sz.block(8, 128) == 70 * MB
+
+
 def test_a_measured_fixed_part_is_planned_once_not_per_row():
     """session.open_session measures a block on one sequence and on a
     batch's: what does not grow with them (DoRA's dense weights) is fixed."""
@@ -109,6 +129,10 @@ def test_a_tail_measured_on_other_rows_keeps_its_fixed_part_fixed():
     per_token = 4 * 90 * MB
     assert dora.tail(blocks, 4, length) == per_token  # no block measured: p unbounded
     dora.learn({"block": (20 * MB + block_row, 1, length)})
+    # a block measured on one row only: past it, a row costs a one-row block whole
+    one_row_block = 20 * MB + block_row
+    assert dora.tail(blocks, 4, length) == min(per_token, 90 * MB + 3 * (blocks * one_row_block + head_row))
+    dora.learn({"block": (20 * MB + 4 * block_row, 4, length)})  # and on the batch's rows
     assert dora.tail(blocks, 4, length) == min(per_token, 90 * MB + 3 * (blocks * block_row + head_row))
     assert dora.tail(blocks, 4, length) < 0.5 * per_token
     assert dora.tail(blocks, 1, length) == 90 * MB
