@@ -147,6 +147,26 @@ def test_a_tail_measured_on_other_rows_keeps_its_fixed_part_fixed():
     assert lora.tail(blocks, 8, length) == 48 * MB and lora.tail(blocks, 4, length) == 24 * MB
 
 
+def test_a_tail_measured_on_one_row_and_on_more_plans_the_rows_between_on_their_line():
+    """session.open_session measures the tail on one row and on as many of
+    a batch's as fit: the rows between are planned on the line through the
+    two (a tail's growth per row grows with its rows: above it there), not
+    from the fixed part's bound; another tail's measure drops the line."""
+    length, blocks = 128, 3
+    sz = sizes(block_fixed=20 * MB)
+    sz.learn({"tail": (50 * MB, blocks, 1, length)})
+    sz.learn({"tail": (120 * MB, blocks, 8, length)})
+    assert sz.tail(blocks, 8, length) == 120 * MB
+    assert sz.tail(blocks, 1, length) == 50 * MB
+    assert sz.tail(blocks, 4, length) == 50 * MB + 70 * MB * 3 // 7
+    bound = sizes(block_fixed=20 * MB)  # the same wide measure alone: F's bound
+    bound.learn({"tail": (120 * MB, blocks, 8, length)})
+    assert bound.tail(blocks, 4, length) == 60 * MB + 60 * MB * 4 // 8
+    sz.learn({"tail": (90 * MB, blocks - 1, 4, length)})  # another tail (its blocks)
+    assert sz.tail_one_per_token is None
+    assert sz.tail(blocks - 1, 2, length) == 40 * MB + 50 * MB * 2 // 4
+
+
 def test_a_measured_forward_block_sizes_the_sweep_and_not_a_recomputed_block():
     st = shape(footprints=[10 * MB] * 8, first_trained=4)
     sz = sizes(block_fixed=8 * MB)  # the estimate counts a weight copy
