@@ -808,7 +808,7 @@ def _open_session(
                 rows = 1
             if rows > 1:
                 wide = step.probe_block(model, weights, first, rows, seq_len)
-                for _ in range(WIDER_BLOCK_PROBES if args.page_budget is None else 0):
+                for _ in range(WIDER_BLOCK_PROBES):  # (page_budget: the batch's rows already)
                     more = min(args.batch_size, rows + max(0, room - wide) // max(1, one))
                     if more <= rows:
                         break
