@@ -78,7 +78,7 @@ def evaluate(s: Session, dataset, num_batches: int, cb: PagerCallback, advance=N
     while g < len(batches):
         try:
             results = step.paged_loss(
-                model, s.weights, batches[g : g + group], args.head_chunk_bytes, on_block=on_block, blocks=s.blocks
+                model, s.weights, batches[g : g + group], s.head_chunk_bytes, on_block=on_block, blocks=s.blocks
             )
         except MemoryPressure:
             # Over, with the page budget at its least: as a training step
@@ -251,7 +251,7 @@ def _value_and_grad(s: Session, group, on_block, it: int, window: Optional[prefi
                 s.model,
                 s.weights,
                 mbs,
-                s.args.head_chunk_bytes,
+                s.head_chunk_bytes,
                 on_block=on_block,
                 blocks=s.blocks,
                 tail_start=p.tail_start,
@@ -551,6 +551,8 @@ def train(
                 "recomputed_blocks": probe["placement"].recomputed,
                 "batch_parts": probe["placement"].parts,
                 "spilled_blocks": probe["placement"].spilled,
+                # the head's chunk of logits where the plan chunked it (0: whole, or head_chunk_bytes)
+                "head_chunk_bytes": probe["placement"].head_chunk,
                 # checkpoints written to the SSD and read back (spill.py)
                 "spilled_bytes": probe.get("spilled_bytes", 0),
                 "spill_read_bytes": probe.get("spill_read_bytes", 0),

@@ -23,6 +23,17 @@ nothing else. Per step the planner picks
                 runs ahead for this many steps at once (prefix.py), reading
                 its blocks once for all of them; their outputs wait in
                 memory for their steps. 1: each step runs its own.
+  head_chunk    with no tail, the head's loss and gradient run over chunks
+                of tokens (step.head_loss_and_grad), each chunk's float32
+                logits at most this many bytes (0: the trainer's
+                head_chunk_bytes, by default none: one chunk, as mlx-lm
+                computes it). A large vocabulary's logits are the step's
+                largest working set at small budgets (151,936 tokens: 59 MB
+                a 97-token row, 4x that with the softmax and gradients); in
+                smaller chunks they take less, each chunk reading the head's
+                weights once more. Every token's loss is its own, but a BLAS
+                may give a row other bits in a product of other rows (about
+                1e-9 on OpenBLAS): chunks only where the whole does not fit.
 
 It picks the fastest pair whose predicted peak fits, from sizes measured on
 the previous steps (step.paged_value_and_grad's probe: one recomputed
@@ -65,6 +76,19 @@ _SPLIT_COST = 0.03
 # what is not hidden costs a little per block. Cheaper than splitting, as
 # the governor's ladder orders them.
 _SPILL_COST = 0.05
+# The fewest tokens a planned head chunk holds (a row's): below about this
+# many a chunk's product is bound by reading the head's weights, and more
+# chunks cost time without saving much.
+MIN_HEAD_CHUNK_TOKENS = 16
+# Relative cost of each chunk more of the head's loss, per micro-batch: it
+# reads the head's weights once more forward and backward. Against a block's
+# forward that is a few percent where blocks compute on long sequences (an
+# 8B model's head on a Mac GPU: ~1 ms against ~90 ms) and up to 2x on short
+# ones on a CPU (151,936 x 896 float32: +0.09 s a chunk against a 0.04 s
+# block at 97 tokens). Counted small: the planner chunks the head before
+# recomputing a block or splitting a batch, which cost more where it matters
+# (the head is chunked only where it does not fit whole).
+_HEAD_CHUNK_COST = 0.01
 
 
 @dataclass
@@ -97,7 +121,7 @@ class Sizes:
     # per token, at `forward_len` (None: never measured; block() stands in).
     forward_per_token: Optional[float] = None
     forward_len: int = 0
-    head_chunk_bytes: int = 64 << 20
+    head_chunk_bytes: int = 0  # the most bytes of logits a chunk of the head holds (0: no cap)
     # One carry's bytes per token (carry.py: keys and values a block passes
     # later ones), measured (None: estimated as two hidden states).
     carry_per_token: Optional[float] = None
@@ -136,11 +160,36 @@ class Sizes:
             return self.block(rows, length)
         return self._scale(self.forward_per_token, self.forward_len, rows, length)
 
-    def head(self, rows: int, length: int) -> int:
+    def head(self, rows: int, length: int, chunk: int = 0) -> int:
         """The chunked head's loss and gradient (float32 logits, softmax and
-        their gradient for one chunk, and the hidden state's gradient)."""
-        chunk = min(self.head_chunk_bytes, rows * length * self.vocab * 4)
+        their gradient for one chunk, and the hidden state's gradient), in
+        chunks of `chunk` bytes of logits (0: head_chunk_bytes). Measured
+        on a 151,936-token vocabulary, 97 tokens: 237.5 / 66.4 / 32.2 MB in
+        chunks of 64 / 16 / 8 MB, against 236.2 / 67.5 / 33.9 here."""
+        whole = rows * length * self.vocab * 4
+        chunk = min(chunk or self.head_chunk_bytes or whole, whole)
         return 4 * chunk + rows * length * self.hidden * 4
+
+    def head_chunks(self, rows: int, length: int, chunk: int = 0) -> int:
+        """How many chunks the head's loss runs in (step.head_chunks)."""
+        per_token = max(1, rows * self.vocab * 4)
+        chunk = chunk or self.head_chunk_bytes
+        tokens = max(1, min(length, chunk // per_token)) if chunk else length
+        return -(-length // tokens)
+
+    def head_chunk_options(self, rows: int, length: int) -> List[int]:
+        """The chunks a step with no tail may run its head in: 0 (the
+        default) and, where the default's chunk holds more than
+        MIN_HEAD_CHUNK_TOKENS tokens, chunks of half as many tokens, and
+        half that, down to that floor."""
+        per_token = max(1, rows * self.vocab * 4)
+        tokens = max(1, min(length, self.head_chunk_bytes // per_token)) if self.head_chunk_bytes else length
+        out, n = [0], self.head_chunks(rows, length)
+        while tokens > MIN_HEAD_CHUNK_TOKENS:
+            n *= 2
+            tokens = max(MIN_HEAD_CHUNK_TOKENS, -(-length // n))
+            out.append(tokens * per_token)
+        return out
 
     def tail(self, blocks: int, rows: int, length: int) -> int:
         """The tail segment's graph for `blocks` blocks and the head. From a
@@ -262,6 +311,7 @@ class Placement:
     spilled: int = 0  # of the recomputed blocks, the lowest ones whose checkpoints go to the SSD
     ahead: int = 1  # steps the frozen prefix runs ahead for (prefix.py)
     waiting: int = 0  # bytes of the prefix's outputs waiting for the steps to come (in activations)
+    head_chunk: int = 0  # with no tail, the head's chunk of logits, bytes (0: the sizes' head_chunk_bytes)
 
     @property
     def need(self) -> int:
@@ -297,8 +347,11 @@ class Step:
         return self.batches * -(-self.rows // size)
 
 
-def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int = 0, ahead: int = 1) -> Placement:
-    """The pages, activations and cost of one placement."""
+def evaluate(
+    step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int = 0, ahead: int = 1, head_chunk: int = 0
+) -> Placement:
+    """The pages, activations and cost of one placement (`head_chunk`:
+    where it has no tail)."""
     L, first, fp = step.num_blocks, step.first_trained, step.footprints
     s = max(first, min(L, tail_start))
     rows = -(-step.rows // parts)  # rows per micro-batch
@@ -324,11 +377,15 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
     if recomputed:
         work.append(sizes.block(rows, length))  # a recomputed block: forward and vjp
     if s < L:
+        head_chunk = 0  # the tail's graph holds the head's (its measure has it)
         work.append(sizes.tail(L - s, rows, length))
     else:
-        work.append(sizes.head(rows, length))
+        work.append(sizes.head(rows, length, head_chunk))
     trained = L - first
     cost = (L + trained + recomputed) * (1 + _SPLIT_COST * (parts - 1)) + _SPILL_COST * spilled
+    if head_chunk:
+        more = sizes.head_chunks(rows, length, head_chunk) - sizes.head_chunks(rows, length)
+        cost += _HEAD_CHUNK_COST * step.micro_batches(parts) * more
     # Carries made below the tail, kept for the step (one per micro-batch
     # each); those in the tail are its graph's (its measure has them).
     # A trained producer's carries also have cotangents, summed from their
@@ -344,7 +401,7 @@ def evaluate(step: Step, sizes: Sizes, tail_start: int, parts: int, spilled: int
         # one forward block's working set (a micro-batch at a time).
         sweep = 2 * ahead * prefix_outputs(step, sizes, step.rows) + sizes.forward(rows, length)
         activations = max(activations + waiting, sweep)
-    return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting)
+    return Placement(s, parts, pages, activations, recomputed, cost, spilled, ahead, waiting, head_chunk)
 
 
 def prefix_outputs(step: Step, sizes: Sizes, rows: int) -> int:
@@ -374,9 +431,11 @@ def candidates(step: Step, sizes: Sizes) -> List[Placement]:
             if not step.tail_allowed(s):
                 continue
             r = s - step.first_trained
+            chunks = sizes.head_chunk_options(-(-step.rows // parts), step.length) if s == step.num_blocks else [0]
             for spilled in sorted({0, r, r // 4, r // 2, 3 * r // 4}):
                 for ahead in sorted({1, step.ahead}):
-                    out.append(evaluate(step, sizes, s, parts, spilled, ahead))
+                    for chunk in chunks:
+                        out.append(evaluate(step, sizes, s, parts, spilled, ahead, chunk))
     return out
 
 
@@ -403,7 +462,7 @@ def choose(
     fits = [p for p in fits if _below(p, at_most) and _below(p, ceiling)]
     if at_most is not None:
         # Less than `at_most` needs by today's sizes.
-        below = evaluate(step, sizes, at_most.tail_start, at_most.parts, at_most.spilled, at_most.ahead).need
+        below = evaluate(step, sizes, *_args(at_most)).need
         fits = [p for p in fits if p.need < below]
     if not fits:
         return None
@@ -416,14 +475,26 @@ def choose(
     return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
 
 
+def _args(p: Placement) -> tuple:
+    """evaluate's arguments after step and sizes for `p` again."""
+    return p.tail_start, p.parts, p.spilled, p.ahead, p.head_chunk
+
+
+def _chunk(p: Placement) -> float:
+    """The head's chunk, ordered: the default (0) above every planned one."""
+    return p.head_chunk or float("inf")
+
+
 def _below(p: Placement, bound: Optional[Placement]) -> bool:
     """Whether `p` is at or down the ladder from `bound` (None: no bound): no
-    longer tail, no fewer spilled blocks or parts, the prefix no further ahead."""
+    longer tail, no fewer spilled blocks or parts, the prefix no further
+    ahead, the head's chunks no larger."""
     return bound is None or (
         p.parts >= bound.parts
         and p.tail_start >= bound.tail_start
         and p.spilled >= bound.spilled
         and p.ahead <= bound.ahead
+        and _chunk(p) <= _chunk(bound)
     )
 
 
@@ -437,12 +508,15 @@ def least(step: Step, sizes: Sizes, ceiling: Optional[Placement] = None) -> Plac
 
 def rung(old: Placement, new: Placement) -> Optional[str]:
     """The ladder's rung from `old` to `new` (governor records): "split",
-    "spill" or "recompute"; None where the tail is no shorter."""
+    "spill", "recompute" or "head" (the head's loss in smaller chunks);
+    None where none of those."""
     if new.parts > old.parts:
         return "split"
     if new.spilled > old.spilled:
         return "spill"
-    return "recompute" if new.tail_start > old.tail_start else None
+    if new.tail_start > old.tail_start:
+        return "recompute"
+    return "head" if _chunk(new) < _chunk(old) else None
 
 
 def smallest(step: Step, sizes: Sizes) -> Placement:
@@ -455,4 +529,5 @@ def describe(p: Placement, num_blocks: int) -> str:
     tail = "none" if p.tail_start >= num_blocks else f"blocks {p.tail_start}..{num_blocks - 1}"
     spill = f" ({p.spilled} checkpoints spilled to the SSD)" if p.spilled else ""
     ahead = f", frozen prefix {p.ahead} steps ahead" if p.ahead > 1 else ""
-    return f"no-recompute tail {tail}, {p.recomputed} recomputed{spill}, batch in {p.parts} part(s){ahead}"
+    head = f", the head's loss in chunks of {p.head_chunk / 1e6:.1f}MB of logits" if p.head_chunk else ""
+    return f"no-recompute tail {tail}, {p.recomputed} recomputed{spill}, batch in {p.parts} part(s){ahead}{head}"

@@ -159,6 +159,13 @@ class Session:
     def parts(self) -> int:
         return self.placement.parts if self.placement is not None else 1
 
+    @property
+    def head_chunk_bytes(self) -> int:
+        """The head's chunk of logits the steps run with: the placement's,
+        or --head-chunk-bytes (the trainer's default)."""
+        chunk = self.placement.head_chunk if self.placement is not None else 0
+        return chunk or self.args.head_chunk_bytes or 0
+
     def use_step_schedule(self):
         """The pager's access order: a training step (forward, then backward
         down to the first trained block, or to the tail's start), with each
@@ -393,7 +400,9 @@ class Session:
         a second has run (it also holds one-off costs: compiling, start-up
         probes). The pages make room (with page_budget, the memory budget
         follows: follow_pages). Returns True when the slack changed."""
-        again = placement.evaluate(self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled, ran.ahead)
+        again = placement.evaluate(
+            self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled, ran.ahead, ran.head_chunk
+        )
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
         # The page pool's pages (mlx_frames.h) are the pages' memory, inside
         # the page budget, though outside MLX's counts.
@@ -453,7 +462,8 @@ class Session:
         least 1."""
         rows, length = -(-self.args.batch_size // self.parts), self.seq_len
         per = 2 * self.sizes.checkpoint(rows, length)
-        work = max(self.sizes.head(rows, length), self.sizes.forward(rows, length))
+        chunk = self.placement.head_chunk if self.placement is not None else 0
+        work = max(self.sizes.head(rows, length, chunk), self.sizes.forward(rows, length))
         most = max(8, self.args.grad_accumulation_steps) * self.parts
         return max([1] + [n for n in range(2, most + 1) if n * per + work <= self.plan.activations])
 
@@ -538,7 +548,9 @@ def estimated_page_budget(args, model, config, seq_len: int, baseline: int, outs
     largest = max((int(np.prod(v.shape)) for v in params), default=0)
     floating = [v.dtype for v in params if mx.issubdtype(v.dtype, mx.floating)]
     itemsize = (floating[0] if floating else mx.float32).size
-    acts = estimate_sizes(config, seq_len, itemsize, args.head_chunk_bytes, largest).block(args.batch_size, seq_len)
+    acts = estimate_sizes(config, seq_len, itemsize, args.head_chunk_bytes or 0, largest).block(
+        args.batch_size, seq_len
+    )
     return budget - baseline - outside - plan_slack() - Governor.margin_for(budget) - acts
 
 
@@ -752,7 +764,7 @@ def _open_session(
         batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
         carries=carries.pairs(),
     )
-    sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes, _largest_weight_elems(weights))
+    sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes or 0, _largest_weight_elems(weights))
     measured = step.carried_sizes(model) if carries else None
     if measured is not None:
         sizes.learn({"carried": measured})  # from the graph's shapes, before any step
@@ -837,7 +849,7 @@ def _open_session(
         # DoRA tail came out 4% under what 8 rows took where the block was
         # measured on 3 (placement.Sizes.block), and 43% over where on 8.
         try:
-            used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes)
+            used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes or 0)
             sizes.learn({"tail": (used, L - first, 1, seq_len)})
             fits = [
                 r
@@ -845,7 +857,7 @@ def _open_session(
                 if room is None or sizes.tail(L - first, r, seq_len) + 2 * max_page <= room
             ]
             if fits:
-                used = segment.probe_tail(model, weights, first, fits[-1], seq_len, args.head_chunk_bytes)
+                used = segment.probe_tail(model, weights, first, fits[-1], seq_len, args.head_chunk_bytes or 0)
                 sizes.learn({"tail": (used, L - first, fits[-1], seq_len)})
         except Exception as e:  # as for the block probe: the formula plans
             say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")

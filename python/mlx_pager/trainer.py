@@ -87,7 +87,10 @@ DEFAULTS = {
     # chosen by their size against the outputs' (1: off).
     "prefix_ahead": "auto",
     "direct_io": True,
-    "head_chunk_bytes": 64 << 20,
+    # The head's loss over chunks of tokens whose float32 logits hold at
+    # most this many bytes; None: whole, as mlx-lm computes it, unless the
+    # planner chunks it to fit (placement.py, head_chunk).
+    "head_chunk_bytes": None,
     "report": None,
     # --trace FILE: a Chrome trace / Perfetto timeline of the run (trace.py).
     "trace": None,

@@ -181,3 +181,47 @@ def test_long_sequences_train_under_cap_by_splitting(models, long_data, tmp_path
         f"parts {[s['batch_parts'] for s in steps]}, spilled {[s['spilled_blocks'] for s in steps]}, "
         f"step {[round(s['step_s'], 1) for s in steps]}s"
     )
+
+
+def test_a_large_vocabulary_trains_under_a_cap_its_whole_logits_do_not_fit(models, long_data, tmp_path):
+    """A 131,072-token vocabulary at 2 x 256 tokens: the head's whole logits
+    (268 MB, 4x that with the softmax and gradients) are more than the cap
+    holds, so the planner runs the head's loss in chunks of tokens
+    (placement.py, head_chunk); the run stays under a hard cap equal to its
+    budget, and its adapters are mlx_lm.lora's on the same flags (uncapped),
+    within the few ulps a product of fewer rows may differ by."""
+    import subprocess
+
+    import mlx.core as mx
+
+    model = models(
+        "llama", None, hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=131072, dtype="float32"
+    )
+    cap = 400 * 10**6
+    flags = [
+        "--model", str(model), "--train", "--data", str(long_data), "--iters", "2", "--batch-size", "2",
+        "--num-layers", "2", "--max-seq-length", "256", "--learning-rate", "1e-4", "--seed", "0",
+        "--steps-per-report", "1",
+    ]  # fmt: skip
+    pager_cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", *flags, "--memory-budget", str(cap)]
+    pager_cmd += ["--adapter-path", str(tmp_path / "ad"), "--ssd-cache-dir", str(tmp_path / "c")]
+    pager_cmd += ["--report", str(tmp_path / "r.jsonl")]
+    proc, peak = run_capped(pager_cmd, cap, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert 0 < peak <= cap
+    steps = [r for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines()) if r["type"] == "step"]
+    assert len(steps) == 2 and all(0 < s["head_chunk_bytes"] < 2 * 256 * 131072 * 4 for s in steps), steps
+
+    lm = [sys.executable, "-m", "mlx_lm", "lora", *flags, "--adapter-path", str(tmp_path / "lm")]
+    out = subprocess.run(lm, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref = mx.load(str(tmp_path / "lm" / "adapters.safetensors"))
+    got = mx.load(str(tmp_path / "ad" / "adapters.safetensors"))
+    for k in ref:
+        rel = (mx.linalg.norm((got[k] - ref[k]).flatten()) / mx.linalg.norm(ref[k].flatten())).item()
+        assert rel <= 1e-5, (k, rel)
+    print(
+        f"\nvocabulary 131072, 2 x 256 tokens under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
+        f"head chunks of {[s['head_chunk_bytes'] / 1e6 for s in steps]}MB of logits, parts "
+        f"{[s['batch_parts'] for s in steps]}"
+    )

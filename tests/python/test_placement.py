@@ -41,11 +41,12 @@ def test_less_memory_means_a_shorter_tail_then_a_split_batch():
     for q in P.candidates(st, sz):
         if q.need <= (full.need + none.need) // 2:
             assert q.cost >= mid.cost
-    # below what recomputing everything needs whole: the batch is split
+    # below what recomputing everything needs whole: the batch is split, or
+    # the head's loss runs in smaller chunks
     least = P.smallest(st, sz)
     assert least.parts == 4 and least.tail_start >= 7  # a one-block tail needs no more than the sweep
     p = P.choose(st, sz, pool=(none.need + least.need) // 2)
-    assert p is not None and p.parts > 1
+    assert p is not None and (p.parts > 1 or p.head_chunk > 0)
     assert P.choose(st, sz, pool=least.need - 1) is None
 
 
@@ -251,3 +252,45 @@ def test_no_tail_starts_between_a_carry_s_producer_and_consumer_and_carries_are_
     ahead = shape(first_trained=4, carries=[(2, 5), (3, 6), (0, 1)], ahead=3)
     assert P.prefix_outputs(ahead, sz, 4) == sz.checkpoint(4, 128) + 2 * sz.carry(4, 128)
     assert P.evaluate(ahead, sz, 8, 1, ahead=3).waiting == 2 * P.prefix_outputs(ahead, sz, 4)
+
+
+def test_a_head_too_large_whole_runs_in_the_largest_chunks_that_fit():
+    """A large vocabulary's logits (4 x them: softmax and gradients) are the
+    step's largest working set with no tail: where they fit whole the head
+    runs whole (mlx-lm's own products); where not, in chunks of half the
+    tokens, then half that, down to MIN_HEAD_CHUNK_TOKENS, before the batch
+    is split."""
+    st = shape(rows=2, length=128)
+    sz = sizes(vocab=150_000, head_chunk_bytes=0)
+    whole = P.evaluate(st, sz, 8, 1)
+    assert whole.head_chunk == 0 and sz.head(2, 128) == 4 * 2 * 128 * 150_000 * 4 + 2 * 128 * 64 * 4
+    options = sz.head_chunk_options(2, 128)
+    tokens = [c // (2 * 150_000 * 4) for c in options[1:]]
+    assert options[0] == 0 and tokens == [64, 32, 16]
+    heads = [sz.head(2, 128, c) for c in options]
+    assert heads == sorted(heads, reverse=True)
+    assert [sz.head_chunks(2, 128, c) for c in options] == [1, 2, 4, 8]
+    # a pool that holds everything: the whole head
+    assert P.choose(st, sz, pool=10**12).head_chunk == 0
+    # one that holds every block recomputed and the head in chunks of 32
+    # tokens, not in 64: chunks of 32, the batch whole
+    at32 = P.evaluate(st, sz, 8, 1, head_chunk=options[2])
+    p = P.choose(st, sz, pool=at32.need)
+    assert (p.tail_start, p.parts, p.head_chunk) == (8, 1, options[2])
+    assert P.rung(whole, p) == "head" and "chunks of" in P.describe(p, 8)
+    assert p.cost > whole.cost  # each chunk more reads the head once more
+    # the least: the smallest chunks, the batch in rows
+    least = P.smallest(st, sz)
+    assert least.parts == 2 and sz.head_chunks(1, 128, least.head_chunk) == 8
+    # a ladder that has chunked the head does not go back to larger chunks
+    assert all(q.head_chunk and q.head_chunk <= p.head_chunk for q in P.candidates(st, sz) if P._below(q, p))
+
+
+def test_a_user_chunk_caps_the_head_and_the_plan_halves_it_from_there():
+    st = shape(rows=1, length=128)
+    sz = sizes(vocab=150_000, head_chunk_bytes=40 * 150_000 * 4)  # 40 tokens a chunk
+    assert sz.head_chunks(1, 128) == 4 and sz.head(1, 128) == 4 * 40 * 150_000 * 4 + 128 * 64 * 4
+    tokens = [c // (150_000 * 4) for c in sz.head_chunk_options(1, 128)[1:]]
+    assert tokens == [16]  # 8 chunks of 16 tokens; no fewer tokens than the floor
+    # a tail holds the head in its graph: no chunks planned there
+    assert all(p.head_chunk == 0 for p in P.candidates(st, sz) if p.tail_start < 8)

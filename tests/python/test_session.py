@@ -313,6 +313,7 @@ def test_evaluation_sweeps_as_many_batches_as_their_hidden_states_leave_room_for
             parts=1,
             seq_len=length,
             sizes=sz,
+            placement=None,
             plan=types.SimpleNamespace(activations=activations),
         )
         return Session.eval_group(s)
