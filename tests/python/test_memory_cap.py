@@ -142,23 +142,16 @@ def long_data(tmp_path):
     return tmp_path / "long"
 
 
-def test_long_sequences_train_under_cap_by_splitting(models, long_data, tmp_path):
-    """Batches of 4 x ~1000 tokens whose attention alone (4 rows x 4 heads x
-    T^2 floats, several copies per block) is more than the cap holds: the
-    planner splits each batch (and spills or recomputes as it must), the
-    run stays under a hard cap equal to its budget, and the adapters equal
-    mlx_lm.lora --grad-checkpoint's on the same flags (uncapped) to 1e-4."""
+def train_capped_against_mlx_lm(model, data, tmp_path, cap, args, tolerance, mlx_lm_args=()):
+    """`mlx-pager lora --memory-budget cap` under a hard cgroup cap of `cap`
+    bytes, then `mlx_lm.lora` with `mlx_lm_args` besides on the same flags,
+    uncapped; their adapters within `tolerance` (relative, per tensor).
+    Returns the pager's step records and its cgroup peak."""
+    import subprocess
+
     import mlx.core as mx
 
-    model = models(
-        "llama", None, hidden_size=256, num_hidden_layers=4, intermediate_size=768, vocab_size=1024, dtype="float32"
-    )
-    cap = 420 * 10**6
-    flags = [
-        "--model", str(model), "--train", "--data", str(long_data), "--iters", "3", "--batch-size", "4",
-        "--num-layers", "4", "--max-seq-length", "1024", "--learning-rate", "1e-4", "--seed", "0",
-        "--steps-per-report", "1",
-    ]  # fmt: skip
+    flags = ["--model", str(model), "--train", "--data", str(data), "--seed", "0", "--steps-per-report", "1", *args]
     pager_cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", *flags, "--memory-budget", str(cap)]
     pager_cmd += ["--adapter-path", str(tmp_path / "ad"), "--ssd-cache-dir", str(tmp_path / "c")]
     pager_cmd += ["--report", str(tmp_path / "r.jsonl")]
@@ -166,16 +159,32 @@ def test_long_sequences_train_under_cap_by_splitting(models, long_data, tmp_path
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert 0 < peak <= cap
     steps = [r for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines()) if r["type"] == "step"]
-    assert len(steps) == 3 and max(s["batch_parts"] for s in steps) > 1, steps
 
-    lm = [sys.executable, "-m", "mlx_lm", "lora", *flags, "--grad-checkpoint", "--adapter-path", str(tmp_path / "lm")]
-    out = __import__("subprocess").run(lm, capture_output=True, text=True, timeout=900)
+    lm = [sys.executable, "-m", "mlx_lm", "lora", *flags, *mlx_lm_args, "--adapter-path", str(tmp_path / "lm")]
+    out = subprocess.run(lm, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     ref = mx.load(str(tmp_path / "lm" / "adapters.safetensors"))
     got = mx.load(str(tmp_path / "ad" / "adapters.safetensors"))
     for k in ref:
         rel = (mx.linalg.norm((got[k] - ref[k]).flatten()) / mx.linalg.norm(ref[k].flatten())).item()
-        assert rel <= 1e-4, (k, rel)
+        assert rel <= tolerance, (k, rel)
+    return steps, peak
+
+
+def test_long_sequences_train_under_cap_by_splitting(models, long_data, tmp_path):
+    """Batches of 4 x ~1000 tokens whose attention alone (4 rows x 4 heads x
+    T^2 floats, several copies per block) is more than the cap holds: the
+    planner splits each batch (and spills or recomputes as it must), the
+    run stays under a hard cap equal to its budget, and the adapters equal
+    mlx_lm.lora --grad-checkpoint's on the same flags (uncapped) to 1e-4."""
+    model = models(
+        "llama", None, hidden_size=256, num_hidden_layers=4, intermediate_size=768, vocab_size=1024, dtype="float32"
+    )
+    cap = 420 * 10**6
+    args = ["--iters", "3", "--batch-size", "4", "--num-layers", "4", "--max-seq-length", "1024"]
+    args += ["--learning-rate", "1e-4"]
+    steps, peak = train_capped_against_mlx_lm(model, long_data, tmp_path, cap, args, 1e-4, ["--grad-checkpoint"])
+    assert len(steps) == 3 and max(s["batch_parts"] for s in steps) > 1, steps
     print(
         f"\n4 x {steps[0]['tokens'] // 4}-token batches under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
         f"parts {[s['batch_parts'] for s in steps]}, spilled {[s['spilled_blocks'] for s in steps]}, "
@@ -190,36 +199,14 @@ def test_a_large_vocabulary_trains_under_a_cap_its_whole_logits_do_not_fit(model
     (placement.py, head_chunk); the run stays under a hard cap equal to its
     budget, and its adapters are mlx_lm.lora's on the same flags (uncapped),
     within the few ulps a product of fewer rows may differ by."""
-    import subprocess
-
-    import mlx.core as mx
-
     model = models(
         "llama", None, hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=131072, dtype="float32"
     )
     cap = 400 * 10**6
-    flags = [
-        "--model", str(model), "--train", "--data", str(long_data), "--iters", "2", "--batch-size", "2",
-        "--num-layers", "2", "--max-seq-length", "256", "--learning-rate", "1e-4", "--seed", "0",
-        "--steps-per-report", "1",
-    ]  # fmt: skip
-    pager_cmd = [sys.executable, "-m", "mlx_pager.cli", "lora", *flags, "--memory-budget", str(cap)]
-    pager_cmd += ["--adapter-path", str(tmp_path / "ad"), "--ssd-cache-dir", str(tmp_path / "c")]
-    pager_cmd += ["--report", str(tmp_path / "r.jsonl")]
-    proc, peak = run_capped(pager_cmd, cap, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert 0 < peak <= cap
-    steps = [r for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines()) if r["type"] == "step"]
+    args = ["--iters", "2", "--batch-size", "2", "--num-layers", "2", "--max-seq-length", "256"]
+    args += ["--learning-rate", "1e-4"]
+    steps, peak = train_capped_against_mlx_lm(model, long_data, tmp_path, cap, args, 1e-5)
     assert len(steps) == 2 and all(0 < s["head_chunk_bytes"] < 2 * 256 * 131072 * 4 for s in steps), steps
-
-    lm = [sys.executable, "-m", "mlx_lm", "lora", *flags, "--adapter-path", str(tmp_path / "lm")]
-    out = subprocess.run(lm, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    ref = mx.load(str(tmp_path / "lm" / "adapters.safetensors"))
-    got = mx.load(str(tmp_path / "ad" / "adapters.safetensors"))
-    for k in ref:
-        rel = (mx.linalg.norm((got[k] - ref[k]).flatten()) / mx.linalg.norm(ref[k].flatten())).item()
-        assert rel <= 1e-5, (k, rel)
     print(
         f"\nvocabulary 131072, 2 x 256 tokens under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
         f"head chunks of {[s['head_chunk_bytes'] / 1e6 for s in steps]}MB of logits, parts "
