@@ -551,8 +551,8 @@ def train(
                 "recomputed_blocks": probe["placement"].recomputed,
                 "batch_parts": probe["placement"].parts,
                 "spilled_blocks": probe["placement"].spilled,
-                # the head's chunk of logits where the plan chunked it (0: whole, or head_chunk_bytes)
-                "head_chunk_bytes": probe["placement"].head_chunk,
+                # the head's chunk of logits the step ran with (0: whole)
+                "head_chunk_bytes": s.head_chunk_bytes,
                 # checkpoints written to the SSD and read back (spill.py)
                 "spilled_bytes": probe.get("spilled_bytes", 0),
                 "spill_read_bytes": probe.get("spill_read_bytes", 0),

@@ -122,6 +122,11 @@ class Sizes:
     forward_per_token: Optional[float] = None
     forward_len: int = 0
     head_chunk_bytes: int = 0  # the most bytes of logits a chunk of the head holds (0: no cap)
+    # The head's loss and gradient over its float32 logits' bytes, beside
+    # the hidden state's gradient: 4 (the logits, softmax and their
+    # gradients) until measured (session.open_session: Gemma 2's
+    # softcapping keeps more, ~6; bfloat16 logits less, ~2).
+    head_factor: float = 4.0
     # One carry's bytes per token (carry.py: keys and values a block passes
     # later ones), measured (None: estimated as two hidden states).
     carry_per_token: Optional[float] = None
@@ -165,10 +170,13 @@ class Sizes:
         their gradient for one chunk, and the hidden state's gradient), in
         chunks of `chunk` bytes of logits (0: head_chunk_bytes). Measured
         on a 151,936-token vocabulary, 97 tokens: 237.5 / 66.4 / 32.2 MB in
-        chunks of 64 / 16 / 8 MB, against 236.2 / 67.5 / 33.9 here."""
-        whole = rows * length * self.vocab * 4
-        chunk = min(chunk or self.head_chunk_bytes or whole, whole)
-        return 4 * chunk + rows * length * self.hidden * 4
+        chunks of 64 / 16 / 8 MB, against 236.2 / 67.5 / 33.9 by the
+        unmeasured factor 4. A chunk holds whole tokens, at least one
+        (step.head_chunks)."""
+        per_token = rows * self.vocab * 4
+        chunk = chunk or self.head_chunk_bytes
+        tokens = max(1, min(length, chunk // max(1, per_token))) if chunk else length
+        return int(self.head_factor * tokens * per_token) + rows * length * self.hidden * 4
 
     def head_chunks(self, rows: int, length: int, chunk: int = 0) -> int:
         """How many chunks the head's loss runs in (step.head_chunks)."""
@@ -273,6 +281,10 @@ class Sizes:
             if self._longer("forward", rows * length):
                 self.forward_per_token = nbytes / max(1, rows * length)
                 self.forward_len = length
+        if "head" in probe:
+            nbytes, rows, length = probe["head"]
+            logits = rows * length * self.vocab * 4
+            self.head_factor = max(1.0, (nbytes - rows * length * self.hidden * 4) / max(1, logits))
         if "carried" in probe:
             nbytes, rows, length, count = probe["carried"]
             if count and self._longer("carried", rows * length):

@@ -304,6 +304,13 @@ class Session:
             p.ahead,
         ):
             self.use_step_schedule()
+        if old is None or (old.tail_start, old.spilled, old.parts, old.ahead, old.head_chunk) != (
+            p.tail_start,
+            p.spilled,
+            p.parts,
+            p.ahead,
+            p.head_chunk,
+        ):
             mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one
 
     def replan(self, probe: Optional[dict] = None, smaller: bool = False, refresh: bool = False) -> bool:
@@ -576,6 +583,8 @@ def estimate_sizes(
     and an unquantized copy of the largest weight for backends that
     dequantize. The first step runs by it, so it must not underestimate:
     the governor cannot step in inside one block's graph."""
+    # (Gemma 3 / 4, Llama 4, Mistral 3 keep these in text_config.)
+    config = {**(config.get("text_config") or {}), **{k: v for k, v in config.items() if v is not None}}
     d = int(config.get("hidden_size", 4096))
     f = int(config.get("intermediate_size", 4 * d))
     heads = int(config.get("num_attention_heads", 32))
@@ -765,6 +774,7 @@ def _open_session(
         carries=carries.pairs(),
     )
     sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes or 0, _largest_weight_elems(weights))
+    sizes.vocab = step._vocab_size(model)  # the head's own (step.head_chunks sizes its chunks by it)
     measured = step.carried_sizes(model) if carries else None
     if measured is not None:
         sizes.learn({"carried": measured})  # from the graph's shapes, before any step
@@ -829,6 +839,19 @@ def _open_session(
                 sizes.learn({"block_fixed": fixed, "block": (wide, rows, seq_len), "block_one": (one, seq_len)})
         except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
             say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
+        release_heap()
+    if training:
+        # The head's loss and gradient on one row of MIN_HEAD_CHUNK_TOKENS
+        # tokens (what the least placement's head holds at most): whole
+        # logits planned at 4x their bytes would miss a head that keeps
+        # more of them (Gemma 2's softcapping: 196.9 MB where 131.1 were
+        # planned, 1 x 256 tokens of 32,000).
+        weights.pin_resident()
+        try:
+            tokens = min(seq_len, placement.MIN_HEAD_CHUNK_TOKENS)
+            sizes.learn({"head": (step.probe_head(model, 1, tokens), 1, tokens)})
+        except Exception as e:
+            say(f"Could not measure the head before training ({type(e).__name__}); planning from an estimate.")
         release_heap()
     # --grad-checkpoint keeps mlx-lm's meaning: every trained block is
     # checkpointed and recomputed in the backward sweep (no block keeps its

@@ -800,6 +800,27 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
     return used
 
 
+def probe_head(model: nn.Module, rows: int, length: int) -> int:
+    """MLX's peak memory for the head's loss and gradient (whole, one chunk)
+    on `rows` x `length` tokens, over the memory active before it: what
+    its logits and what the model does with them (Gemma 2's softcapping:
+    1.5x a plain head's) take. The resident page (the head) must be bound."""
+    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
+    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
+    mb = MicroBatch.from_batch(batch, lengths)
+    mb.record(model)  # the hidden state's shape and dtype, as the blocks pass it on (h0)
+    h = mx.zeros(mb.h0.shape, mb.h0.dtype)
+    mx.eval(h, mb.ntoks)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    loss, g = head_loss_and_grad(model, mb, h, 0)
+    mx.eval(loss, g)
+    used = max(0, mx.get_peak_memory() - base)
+    del loss, g
+    mx.reset_peak_memory()
+    return used
+
+
 def first_trained_block(model: nn.Module) -> int:
     """Index of the lowest block with trainable parameters (len(layers) if none)."""
     for i, layer in enumerate(model.layers):

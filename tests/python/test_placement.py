@@ -294,3 +294,15 @@ def test_a_user_chunk_caps_the_head_and_the_plan_halves_it_from_there():
     assert tokens == [16]  # 8 chunks of 16 tokens; no fewer tokens than the floor
     # a tail holds the head in its graph: no chunks planned there
     assert all(p.head_chunk == 0 for p in P.candidates(st, sz) if p.tail_start < 8)
+
+
+def test_a_chunk_holds_whole_tokens_and_the_head_s_measure_sets_its_factor():
+    """A chunk under one token's logits still runs a token (step.head_chunks),
+    and counts as one; a measured head replaces the unmeasured 4x."""
+    sz = sizes(vocab=150_000, head_chunk_bytes=1000)
+    assert sz.head_chunks(2, 64) == 64
+    assert sz.head(2, 64) == 4 * 2 * 150_000 * 4 + 2 * 64 * 64 * 4
+    sz.learn({"head": (6 * 16 * 150_000 * 4 + 16 * 64 * 4, 1, 16)})  # Gemma 2's softcapping: 6x
+    assert sz.head_factor == 6 and sz.head(1, 16) == 6 * 1 * 150_000 * 4 + 16 * 64 * 4  # a token a chunk
+    sz.head_chunk_bytes = 0
+    assert sz.head(1, 16) == 6 * 16 * 150_000 * 4 + 16 * 64 * 4

@@ -334,3 +334,14 @@ def test_evaluation_sweeps_as_many_batches_as_their_hidden_states_leave_room_for
     sz.learn({"forward": (64 * 1024, rows, length)})
     assert sz.block(rows, length) > 1 << 30
     assert group(needs(8)) == 8 and needs(8) < 1 << 20
+
+
+def test_the_estimate_reads_a_nested_text_config():
+    """Gemma 3 / 4, Llama 4 and Mistral 3 keep their sizes in text_config:
+    the estimate reads them there (the top level wins where both say)."""
+    from mlx_pager.session import estimate_sizes
+
+    config = {"model_type": "gemma3", "text_config": {"hidden_size": 2560, "vocab_size": 262_208}}
+    sz = estimate_sizes(config, 128, 2, 0, 1000)
+    assert (sz.hidden, sz.vocab) == (2560, 262_208)
+    assert estimate_sizes(dict(config, vocab_size=1000), 128, 2, 0, 1000).vocab == 1000

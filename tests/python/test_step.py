@@ -1085,3 +1085,32 @@ def test_a_carry_passed_on_unchanged_is_counted_once(tmp_path):
         S.paged_value_and_grad(model, w, [mb], blocks=S.Blocks(model, compile=compile), tail_start=4, probe=probe)
         assert len(mb.carries.consumers) == 3
         assert probe["carried"][0] == mb.h0.nbytes and probe["carried"][3] == 3, compile
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_head_measured_on_a_few_tokens_plans_a_longer_batch_s(tmp_path, arch):
+    """step.probe_head: the head's loss and gradient measured on one row of
+    16 tokens, learned as a factor of the logits' bytes (placement.Sizes.head),
+    covers what a batch of more rows and tokens takes. Gemma 2's final
+    softcapping keeps more logits-sized arrays than a plain head (6x the
+    float32 logits against 4x, measured on a 32,000-token vocabulary)."""
+    import dataclasses
+
+    from mlx_pager import modelgen
+    from mlx_pager import placement as P
+
+    spec = A.spec_for(arch, "bf16")
+    config = dict(spec.config, vocab_size=32000, torch_dtype="float32")
+    spec = dataclasses.replace(spec, config=config, dtype="float32", vocab_size=32000, bits=None)
+    path = modelgen.generate_model(tmp_path / "model", spec)
+    model, w = A.paged(path, 2, "auto", str(tmp_path / "swap"))
+    w.pin_resident()
+    vocab, hidden = S._vocab_size(model), model.layers[0].input_layernorm.weight.shape[0]
+    sz = P.Sizes(hidden=hidden, itemsize=4, vocab=vocab, block_per_token=1, block_len=1)
+    sz.learn({"head": (S.probe_head(model, 1, 16), 1, 16)})
+    took = S.probe_head(model, 2, 96)
+    assert took <= sz.head(2, 96) <= 1.3 * took, (arch, sz.head_factor, took, sz.head(2, 96))
+    # a plain head: the logits, their softmax and two gradients; Gemma 2's
+    # softcapping two more
+    assert (sz.head_factor > 5.5) if arch == "gemma2" else (sz.head_factor < 4.5), sz.head_factor
+    print(f"\n{arch}: head factor {sz.head_factor:.2f}, vocabulary {vocab}, 2 x 96 tokens took {took / 1e6:.2f}MB")
