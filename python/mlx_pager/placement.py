@@ -176,7 +176,19 @@ class Sizes:
         per_token = rows * self.vocab * 4
         chunk = chunk or self.head_chunk_bytes
         tokens = max(1, min(length, chunk // max(1, per_token))) if chunk else length
-        return int(self.head_factor * tokens * per_token) + rows * length * self.hidden * 4
+        return int(self.head_factor * tokens * per_token) + rows * length * self._head_token_bytes()
+
+    def _head_token_bytes(self) -> int:
+        """What the head holds per token besides its logits: the hidden
+        state's gradient, twice (its chunks' and their concatenation; MLX
+        frees one before or after the other's peak from run to run: a 2 x
+        96-token llama head took 98,557,468 or 98,606,624 bytes), and the
+        token's targets, mask and loss (a few small arrays: 32 floats'
+        room). A measure takes one gradient off (learn); the factor it
+        leaves covers whatever else it caught, and this covers the rest:
+        planned from the measure's factor alone, that head came out 460
+        or 49,616 bytes short."""
+        return (2 * self.hidden + 32) * 4
 
     def head_chunks(self, rows: int, length: int, chunk: int = 0) -> int:
         """How many chunks the head's loss runs in (step.head_chunks)."""
@@ -284,6 +296,8 @@ class Sizes:
         if "head" in probe:
             nbytes, rows, length = probe["head"]
             logits = rows * length * self.vocab * 4
+            # (less one hidden state's gradient: head() adds it, and room
+            # for a second, which a measure may or may not have caught)
             self.head_factor = max(1.0, (nbytes - rows * length * self.hidden * 4) / max(1, logits))
         if "carried" in probe:
             nbytes, rows, length, count = probe["carried"]

@@ -263,7 +263,7 @@ def test_a_head_too_large_whole_runs_in_the_largest_chunks_that_fit():
     st = shape(rows=2, length=128)
     sz = sizes(vocab=150_000, head_chunk_bytes=0)
     whole = P.evaluate(st, sz, 8, 1)
-    assert whole.head_chunk == 0 and sz.head(2, 128) == 4 * 2 * 128 * 150_000 * 4 + 2 * 128 * 64 * 4
+    assert whole.head_chunk == 0 and sz.head(2, 128) == 4 * 2 * 128 * 150_000 * 4 + 2 * 128 * (2 * 64 + 32) * 4
     options = sz.head_chunk_options(2, 128)
     tokens = [c // (2 * 150_000 * 4) for c in options[1:]]
     assert options[0] == 0 and tokens == [64, 32, 16]
@@ -289,7 +289,7 @@ def test_a_head_too_large_whole_runs_in_the_largest_chunks_that_fit():
 def test_a_user_chunk_caps_the_head_and_the_plan_halves_it_from_there():
     st = shape(rows=1, length=128)
     sz = sizes(vocab=150_000, head_chunk_bytes=40 * 150_000 * 4)  # 40 tokens a chunk
-    assert sz.head_chunks(1, 128) == 4 and sz.head(1, 128) == 4 * 40 * 150_000 * 4 + 128 * 64 * 4
+    assert sz.head_chunks(1, 128) == 4 and sz.head(1, 128) == 4 * 40 * 150_000 * 4 + 128 * (2 * 64 + 32) * 4
     tokens = [c // (150_000 * 4) for c in sz.head_chunk_options(1, 128)[1:]]
     assert tokens == [16]  # 8 chunks of 16 tokens; no fewer tokens than the floor
     # a tail holds the head in its graph: no chunks planned there
@@ -301,8 +301,9 @@ def test_a_chunk_holds_whole_tokens_and_the_head_s_measure_sets_its_factor():
     and counts as one; a measured head replaces the unmeasured 4x."""
     sz = sizes(vocab=150_000, head_chunk_bytes=1000)
     assert sz.head_chunks(2, 64) == 64
-    assert sz.head(2, 64) == 4 * 2 * 150_000 * 4 + 2 * 64 * 64 * 4
+    per = (2 * 64 + 32) * 4  # the hidden state's gradient (twice) and the token's small arrays
+    assert sz.head(2, 64) == 4 * 2 * 150_000 * 4 + 2 * 64 * per
     sz.learn({"head": (6 * 16 * 150_000 * 4 + 16 * 64 * 4, 1, 16)})  # Gemma 2's softcapping: 6x
-    assert sz.head_factor == 6 and sz.head(1, 16) == 6 * 1 * 150_000 * 4 + 16 * 64 * 4  # a token a chunk
+    assert sz.head_factor == 6 and sz.head(1, 16) == 6 * 1 * 150_000 * 4 + 16 * per  # a token a chunk
     sz.head_chunk_bytes = 0
-    assert sz.head(1, 16) == 6 * 16 * 150_000 * 4 + 16 * 64 * 4
+    assert sz.head(1, 16) == 6 * 16 * 150_000 * 4 + 16 * per
