@@ -174,9 +174,16 @@ class Sizes:
         unmeasured factor 4. A chunk holds whole tokens, at least one
         (step.head_chunks)."""
         per_token = rows * self.vocab * 4
+        return int(self.head_factor * self._head_tokens(rows, length, chunk) * per_token) + rows * length * (
+            self._head_token_bytes()
+        )
+
+    def _head_tokens(self, rows: int, length: int, chunk: int = 0) -> int:
+        """Tokens a chunk of `chunk` bytes of logits holds (0:
+        head_chunk_bytes; none: the whole length), as step.head_chunks
+        counts them: whole tokens, at least one."""
         chunk = chunk or self.head_chunk_bytes
-        tokens = max(1, min(length, chunk // max(1, per_token))) if chunk else length
-        return int(self.head_factor * tokens * per_token) + rows * length * self._head_token_bytes()
+        return max(1, min(length, chunk // max(1, rows * self.vocab * 4))) if chunk else length
 
     def _head_token_bytes(self) -> int:
         """What the head holds per token besides its logits: the hidden
@@ -192,10 +199,7 @@ class Sizes:
 
     def head_chunks(self, rows: int, length: int, chunk: int = 0) -> int:
         """How many chunks the head's loss runs in (step.head_chunks)."""
-        per_token = max(1, rows * self.vocab * 4)
-        chunk = chunk or self.head_chunk_bytes
-        tokens = max(1, min(length, chunk // per_token)) if chunk else length
-        return -(-length // tokens)
+        return -(-length // self._head_tokens(rows, length, chunk))
 
     def head_chunk_options(self, rows: int, length: int) -> List[int]:
         """The chunks a step with no tail may run its head in: 0 (the
@@ -203,7 +207,7 @@ class Sizes:
         MIN_HEAD_CHUNK_TOKENS tokens, chunks of half as many tokens, and
         half that, down to that floor."""
         per_token = max(1, rows * self.vocab * 4)
-        tokens = max(1, min(length, self.head_chunk_bytes // per_token)) if self.head_chunk_bytes else length
+        tokens = self._head_tokens(rows, length)
         out, n = [0], self.head_chunks(rows, length)
         while tokens > MIN_HEAD_CHUNK_TOKENS:
             n *= 2
@@ -488,7 +492,7 @@ def choose(
     fits = [p for p in fits if _below(p, at_most) and _below(p, ceiling)]
     if at_most is not None:
         # Less than `at_most` needs by today's sizes.
-        below = evaluate(step, sizes, *_args(at_most)).need
+        below = evaluate(step, sizes, *evaluate_args(at_most)).need
         fits = [p for p in fits if p.need < below]
     if not fits:
         return None
@@ -501,8 +505,8 @@ def choose(
     return min(fits, key=lambda p: (p.cost, reads(p), -p.ahead if reads(p) else p.ahead, p.need))
 
 
-def _args(p: Placement) -> tuple:
-    """evaluate's arguments after step and sizes for `p` again."""
+def evaluate_args(p: Placement) -> tuple:
+    """evaluate's arguments after step and sizes, for `p` again."""
     return p.tail_start, p.parts, p.spilled, p.ahead, p.head_chunk
 
 

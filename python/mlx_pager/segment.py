@@ -201,10 +201,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
     from .stream import Stream
 
     L = len(model.layers)
-    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
-    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
-    mb = step.MicroBatch.from_batch(batch, lengths)
-    mb.record(model)
+    mb = step.probe_batch(model, rows, length)
     h = mb.h0
     mx.eval(h)
     pager = weights.pager

@@ -297,20 +297,15 @@ class Session:
         # (The prefix's outputs waiting for their steps are live, not cache.)
         cache = CACHE_SLACK + unused + (p.activations - p.waiting if one_graph else 0)
         mx.set_cache_limit(int(cache))
-        if old is None or (old.tail_start, old.spilled, old.parts, old.ahead) != (
+        schedule = old is None or (old.tail_start, old.spilled, old.parts, old.ahead) != (
             p.tail_start,
             p.spilled,
             p.parts,
             p.ahead,
-        ):
+        )
+        if schedule:
             self.use_step_schedule()
-        if old is None or (old.tail_start, old.spilled, old.parts, old.ahead, old.head_chunk) != (
-            p.tail_start,
-            p.spilled,
-            p.parts,
-            p.ahead,
-            p.head_chunk,
-        ):
+        if schedule or old.head_chunk != p.head_chunk:
             mx.clear_cache()  # buffers of the old placement's shapes would not serve the new one
 
     def replan(self, probe: Optional[dict] = None, smaller: bool = False, refresh: bool = False) -> bool:
@@ -407,9 +402,7 @@ class Session:
         a second has run (it also holds one-off costs: compiling, start-up
         probes). The pages make room (with page_budget, the memory budget
         follows: follow_pages). Returns True when the slack changed."""
-        again = placement.evaluate(
-            self.shape, self.sizes, ran.tail_start, ran.parts, ran.spilled, ran.ahead, ran.head_chunk
-        )
+        again = placement.evaluate(self.shape, self.sizes, *placement.evaluate_args(ran))
         self.slack_needed.append(measured - (self.predicted_peak(again, page_budget) - self.plan.slack))
         # The page pool's pages (mlx_frames.h) are the pages' memory, inside
         # the page budget, though outside MLX's counts.
@@ -773,7 +766,8 @@ def _open_session(
         batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
         carries=carries.pairs(),
     )
-    sizes = estimate_sizes(config, seq_len, act_itemsize, args.head_chunk_bytes or 0, _largest_weight_elems(weights))
+    head_cap = args.head_chunk_bytes or 0  # (None: the head whole unless the plan chunks it)
+    sizes = estimate_sizes(config, seq_len, act_itemsize, head_cap, _largest_weight_elems(weights))
     sizes.vocab = step._vocab_size(model)  # the head's own (step.head_chunks sizes its chunks by it)
     measured = step.carried_sizes(model) if carries else None
     if measured is not None:
@@ -872,7 +866,7 @@ def _open_session(
         # DoRA tail came out 4% under what 8 rows took where the block was
         # measured on 3 (placement.Sizes.block), and 43% over where on 8.
         try:
-            used = segment.probe_tail(model, weights, first, 1, seq_len, args.head_chunk_bytes or 0)
+            used = segment.probe_tail(model, weights, first, 1, seq_len, head_cap)
             sizes.learn({"tail": (used, L - first, 1, seq_len)})
             fits = [
                 r
@@ -880,7 +874,7 @@ def _open_session(
                 if room is None or sizes.tail(L - first, r, seq_len) + 2 * max_page <= room
             ]
             if fits:
-                used = segment.probe_tail(model, weights, first, fits[-1], seq_len, args.head_chunk_bytes or 0)
+                used = segment.probe_tail(model, weights, first, fits[-1], seq_len, head_cap)
                 sizes.learn({"tail": (used, L - first, fits[-1], seq_len)})
         except Exception as e:  # as for the block probe: the formula plans
             say(f"Could not measure the tail before training ({type(e).__name__}); planning from an estimate.")

@@ -772,10 +772,7 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
     step, measured rather than guessed. The block's page is read for it.
     A block that takes carries (carry.py) takes zeros of their shapes
     (_shaped_carries: the blocks below it are not read)."""
-    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
-    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
-    mb = MicroBatch.from_batch(batch, lengths)
-    mb.record(model)
+    mb = probe_batch(model, rows, length)
     link = None
     if mb.carries.takes(block):
         shaped = _shaped_carries(model, mb, block)
@@ -800,16 +797,23 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
     return used
 
 
+def probe_batch(model: nn.Module, rows: int, length: int) -> MicroBatch:
+    """A micro-batch of `rows` x `length` zero tokens, recorded (h0, calls):
+    the start-up probes' input."""
+    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
+    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
+    mb = MicroBatch.from_batch(batch, lengths)
+    mb.record(model)
+    return mb
+
+
 def probe_head(model: nn.Module, rows: int, length: int) -> int:
     """MLX's peak memory for the head's loss and gradient (whole, one chunk)
     on `rows` x `length` tokens, over the memory active before it: what
     its logits and what the model does with them (Gemma 2's softcapping:
     1.5x a plain head's) take. The resident page (the head) must be bound."""
-    batch = mx.zeros((rows, length + 1), dtype=mx.int32)
-    lengths = mx.array([[0, length]] * rows, dtype=mx.int32)
-    mb = MicroBatch.from_batch(batch, lengths)
-    mb.record(model)  # the hidden state's shape and dtype, as the blocks pass it on (h0)
-    h = mx.zeros(mb.h0.shape, mb.h0.dtype)
+    mb = probe_batch(model, rows, length)
+    h = mx.zeros(mb.h0.shape, mb.h0.dtype)  # the hidden state's shape and dtype, as the blocks pass it on
     mx.eval(h, mb.ntoks)
     base = mx.get_active_memory()
     mx.reset_peak_memory()
