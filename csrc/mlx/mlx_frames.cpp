@@ -93,14 +93,31 @@ std::uint64_t MlxFrameAllocator::charge_bound(std::uint64_t bytes) const {
   return request + std::max({cache, reuse_slack(request), request / 16});
 }
 
+namespace {
+
+// The shape of the uint8 array that owns a frame's buffer. MLX's dimensions
+// are int32, so a frame of 2 GiB or more (the resident page of a model with
+// a large vocabulary: Qwen2.5-7B's embeddings and head in bfloat16 are
+// 2.2 GB) is rows of kIoAlign bytes, the last partial row left out: the
+// array only owns the buffer, and MLX never reads it (views of the frame
+// carry their own shapes and sizes, copy_shared_buffer).
+mx::Shape base_shape(std::uint64_t request) {
+  constexpr auto kMaxDim = static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max());
+  if (request <= kMaxDim) {
+    return {static_cast<int32_t>(request)};
+  }
+  if (request / kIoAlign > kMaxDim) {
+    throw std::invalid_argument(
+        "[MlxFrameAllocator::allocate] a page of " + std::to_string(request) +
+        " bytes is larger than one MLX array can hold: page the model in more parts");
+  }
+  return {static_cast<int32_t>(request / kIoAlign), static_cast<int32_t>(kIoAlign)};
+}
+
+}  // namespace
+
 Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_free) {
   std::uint64_t request = footprint(bytes);
-  if (request > static_cast<std::uint64_t>(std::numeric_limits<int32_t>::max())) {
-    // MLX shapes are int32: a single frame must stay under 2 GiB.
-    throw std::invalid_argument(
-        "[MlxFrameAllocator::allocate] a page of " + std::to_string(bytes) +
-        " bytes is larger than one MLX array can be (2 GiB): split the page");
-  }
   // Set once the frame is handed out: if building it throws, the buffer is
   // freed without on_free (the caller never saw the frame).
   auto handed_out = std::make_shared<std::atomic<bool>>(false);
@@ -216,7 +233,7 @@ Frame MlxFrameAllocator::allocate(std::uint64_t bytes, std::function<void()> on_
               on_free();
             }
           }),
-      mx::Shape{static_cast<int32_t>(request)}, mx::uint8);
+      base_shape(request), mx::uint8);
   Frame f;
   f.data = raw + offset;
   f.size = bytes;
@@ -273,7 +290,7 @@ mx::array MlxFrameAllocator::view(
   }
   mx::array out(shape, dtype, nullptr, {});
   std::uint64_t nbytes = out.nbytes();
-  // Written so that nothing overflows: frame.size < 2 GiB (allocate).
+  // Written so that nothing overflows (frame.size is any 64-bit size).
   if (nbytes > frame.size || frame_offset > frame.size - nbytes) {
     throw std::logic_error(
         "[MlxFrameAllocator::view] tensor of " + std::to_string(nbytes) + " bytes at offset " +

@@ -559,6 +559,31 @@ TEST_CASE("tensor_pager: views check item alignment and frame bounds; on_free ru
   CHECK_EQ(freed, 1);
 }
 
+TEST_CASE("tensor_pager: a frame of 2 GiB or more holds views past 2 GiB") {
+  // A resident page of embeddings and head passes 2 GiB in bfloat16 from
+  // Qwen2.5-7B up; MLX's int32 dimensions once refused it. The buffer is
+  // only reserved: the test writes and reads one page of it.
+  MlxFrameAllocator alloc(false);
+  const std::uint64_t bytes = (std::uint64_t{2} << 30) + 3 * kIoAlign + 8;
+  int freed = 0;
+  {
+    Frame f = alloc.allocate(bytes, [&] { ++freed; });
+    CHECK_EQ(f.size, bytes);
+    const std::uint64_t at = (std::uint64_t{2} << 30) + 2 * kIoAlign;
+    auto* p = reinterpret_cast<float*>(f.data + at);
+    for (int i = 0; i < 4; ++i) {
+      p[i] = static_cast<float>(i + 1);
+    }
+    mx::array v = MlxFrameAllocator::view(f, at, mx::float32, {2, 2});
+    CHECK(v.data<char>() == f.data + at);
+    CHECK_EQ(mx::sum(v).item<float>(), 10.0f);
+    CHECK_THROWS_WITH(MlxFrameAllocator::view(f, at, mx::float32, {4096}), "runs past its frame");
+    f = Frame{};
+    CHECK_EQ(freed, 0);  // the view keeps the buffer
+  }
+  CHECK_EQ(freed, 1);
+}
+
 TEST_CASE(
     "tensor_pager: on the CPU backend a frame's whole huge pages are advised before its read") {
   const std::uint64_t h = huge_page_bytes();
