@@ -372,11 +372,17 @@ class PagedWeights:
     def _write_swap(self, swap_path, to_swap, params, progress, total):
         writer = SwapWriter(str(swap_path), total)
         pages, done = {}, 0
-        for page_name, names, _ in to_swap:
-            # Evaluated one page at a time: memory stays near one page.
+        for page_name, names, slots in to_swap:
+            # Evaluated one page at a time: memory stays near one page, once
+            # the model's own references to the page's arrays (and params')
+            # hold the placeholders they get at the end of __init__ anyway.
+            # Left to the model, every page written stays evaluated.
             arrays = [params[n] for n in names]
             pages[page_name] = writer.write_page_checked(arrays)
             done += swap_page_bytes([a.nbytes for a in arrays])
+            for s in slots:
+                s.module[s.key] = s.placeholder
+                params[s.name] = s.placeholder
             del arrays
             mx.clear_cache()
             if progress is not None:
