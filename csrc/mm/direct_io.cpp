@@ -19,11 +19,6 @@ namespace {
 
 std::atomic<bool> g_refuse_direct{false};
 
-// The most one read or write asks for: macOS fails a read(2) or write(2) of
-// more than INT_MAX bytes with EINVAL, Linux moves at most 0x7ffff000 bytes
-// a call. A multiple of kIoAlign, so that direct I/O stays aligned.
-constexpr std::size_t kMaxSyscallBytes = std::size_t{1} << 30;
-
 [[noreturn]] void throw_errno(int err, const std::string& what) {
   throw std::system_error(err, std::generic_category(), "[DirectFile] " + what);
 }
@@ -160,8 +155,8 @@ std::size_t DirectFile::pread_full(void* dst, std::size_t n, std::uint64_t offse
   std::size_t done = 0;
   char* p = static_cast<char*>(dst);
   while (done < n) {
-    ssize_t r = ::pread(
-        fd_, p + done, std::min(n - done, kMaxSyscallBytes), static_cast<off_t>(offset + done));
+    ssize_t r =
+        ::pread(fd_, p + done, std::min(n - done, kMaxIoCall), static_cast<off_t>(offset + done));
     if (r < 0) {
       if (errno == EINTR) {
         continue;
@@ -191,8 +186,8 @@ void DirectFile::pwrite_full(const void* src, std::size_t n, std::uint64_t offse
   std::size_t done = 0;
   const char* p = static_cast<const char*>(src);
   while (done < n) {
-    ssize_t r = ::pwrite(
-        fd_, p + done, std::min(n - done, kMaxSyscallBytes), static_cast<off_t>(offset + done));
+    ssize_t r =
+        ::pwrite(fd_, p + done, std::min(n - done, kMaxIoCall), static_cast<off_t>(offset + done));
     if (r < 0) {
       if (errno == EINTR) {
         continue;

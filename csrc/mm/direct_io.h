@@ -29,6 +29,11 @@ const char* to_string(IoMode mode);
 // (512 and 4096) and the page size of x86-64 and arm64 Linux.
 inline constexpr std::size_t kIoAlign = 4096;
 
+// The most one read(2) or write(2) asks for: macOS fails either above
+// INT_MAX bytes with EINVAL, and Linux moves at most 0x7ffff000 bytes a call.
+// A multiple of kIoAlign, so that direct transfers stay aligned.
+inline constexpr std::size_t kMaxIoCall = std::size_t{1} << 30;
+
 inline constexpr std::uint64_t align_down(std::uint64_t x, std::uint64_t a) {
   return x / a * a;
 }

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -123,7 +124,8 @@ void rewrite_swap_range(
   const char* p = static_cast<const char*>(src);
   std::size_t done = 0;
   while (done < n) {
-    ssize_t k = ::pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    ssize_t k =
+        ::pwrite(fd, p + done, std::min(n - done, kMaxIoCall), static_cast<off_t>(offset + done));
     if (k < 0 && errno == EINTR) {
       continue;
     }
