@@ -173,17 +173,19 @@ class Sizes:
         chunks of 64 / 16 / 8 MB, against 236.2 / 67.5 / 33.9 by the
         unmeasured factor 4. A chunk holds whole tokens, at least one
         (step.head_chunks)."""
-        per_token = rows * self.vocab * 4
-        return int(self.head_factor * self._head_tokens(rows, length, chunk) * per_token) + rows * length * (
-            self._head_token_bytes()
-        )
+        logits = self.head_factor * self._head_tokens(rows, length, chunk) * self._logit_bytes(rows)
+        return int(logits) + rows * length * self._head_token_bytes()
+
+    def _logit_bytes(self, rows: int) -> int:
+        """A token's float32 logits over `rows` rows (at least 1: a divisor)."""
+        return max(1, rows * self.vocab * 4)
 
     def _head_tokens(self, rows: int, length: int, chunk: int = 0) -> int:
         """Tokens a chunk of `chunk` bytes of logits holds (0:
         head_chunk_bytes; none: the whole length), as step.head_chunks
         counts them: whole tokens, at least one."""
         chunk = chunk or self.head_chunk_bytes
-        return max(1, min(length, chunk // max(1, rows * self.vocab * 4))) if chunk else length
+        return max(1, min(length, chunk // self._logit_bytes(rows))) if chunk else length
 
     def _head_token_bytes(self) -> int:
         """What the head holds per token besides its logits: the hidden
@@ -206,13 +208,12 @@ class Sizes:
         default) and, where the default's chunk holds more than
         MIN_HEAD_CHUNK_TOKENS tokens, chunks of half as many tokens, and
         half that, down to that floor."""
-        per_token = max(1, rows * self.vocab * 4)
         tokens = self._head_tokens(rows, length)
         out, n = [0], self.head_chunks(rows, length)
         while tokens > MIN_HEAD_CHUNK_TOKENS:
             n *= 2
             tokens = max(MIN_HEAD_CHUNK_TOKENS, -(-length // n))
-            out.append(tokens * per_token)
+            out.append(tokens * self._logit_bytes(rows))
         return out
 
     def tail(self, blocks: int, rows: int, length: int) -> int:
