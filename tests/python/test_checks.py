@@ -191,13 +191,14 @@ def test_blocks_patched_by_mlx_lm_grad_checkpoint_are_refused(capsys, model, tmp
     assert not (tmp_path / "a" / "adapters.safetensors").exists()
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "4bit"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "4bit"])
 def test_experts_the_backend_cannot_multiply_are_named_before_anything_is_paged(capsys, tmp_path, dtype):
     """MLX's CPU backend runs gather_mm (an unquantized mixture-of-experts
     layer's experts) in float32 only: a bf16 mixtral failed in its first
     validation with a traceback, as mlx_lm.lora does. Refused in one line
     where the backend cannot (asked of the backend, so Metal is not), for
-    training and generation alike; a 4-bit one (gather_qmm) trains."""
+    training and generation alike; a float32 one (gather_mm) and a 4-bit one
+    (gather_qmm) train."""
     import mlx.core as mx
 
     from mlx_pager import architectures as A
