@@ -506,6 +506,14 @@ def train(
                     tree = tree_map(lambda g, k=k: g / k, tree)
                 apply_update(tree)  # optimizer.update, compiled (update.py)
                 cb.on_update_end()
+                del tree
+            # The gradients are spent (or, in a partial last group, unused):
+            # held to the next step, they and their average (with gradient
+            # accumulation) were 2 dead copies of the adapters beside its
+            # gradients, over what the plan counts (session.
+            # trainable_state_bytes): a run with 300 MB of adapters and
+            # --grad-accumulation-steps 2 was killed at the least budget named.
+            del grads
             _clear_cache(args.clear_cache_threshold)
             elapsed = time.perf_counter() - tic
             after = pager.stats()
