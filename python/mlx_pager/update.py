@@ -108,7 +108,7 @@ class OptimizerStep:
 
 
 # The most bytes of parameters whose update one evaluation computes.
-UPDATE_GROUP_BYTES = 32 << 20
+UPDATE_GROUP_BYTES = 8 << 20
 
 
 def eval_in_groups(params: Dict[str, mx.array], state, group_bytes: Optional[int] = None) -> None:
@@ -123,8 +123,10 @@ def eval_in_groups(params: Dict[str, mx.array], state, group_bytes: Optional[int
     moments beside the old, 3x the trainable parameters over the 4x that
     stay, where the plan counts 5x (session.trainable_state_bytes). A model
     with 150 MB of adapters was killed at the least budget the plan named.
-    In groups, each group's old arrays go when it is done: 3x one group.
-    The same kernels run, so the bits are the same."""
+    In groups, each group's old arrays go when it is done: 3x one group
+    (4x uncompiled, with its temporaries), within the plan's slack
+    (budget.CACHE_SLACK) at 8 MB a group. The same kernels run, so the bits
+    are the same."""
     group_bytes = UPDATE_GROUP_BYTES if group_bytes is None else group_bytes
     by_param: Dict[str, List[mx.array]] = {n: [v] for n, v in params.items()}
     rest: List[mx.array] = []
