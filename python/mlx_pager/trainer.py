@@ -322,6 +322,8 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
     if args.train and args.num_layers > len(model.layers):
         raise ValueError(
             f"Requested to train {args.num_layers} layers but the model only has {len(model.layers)} layers."
+            # (mlx-lm's words, then the fix)
+            f" Pass --num-layers {len(model.layers)} or fewer (-1 trains every layer)."
         )
     if args.train:
         checks.check_adapter_keys(model, args.lora_parameters)

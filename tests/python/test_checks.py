@@ -96,6 +96,18 @@ def test_adapters_outside_the_blocks_are_refused_before_paging(capsys, model, tm
     assert rc == 0, err
 
 
+def test_more_layers_than_the_model_has_names_the_most(capsys, model, tmp_path):
+    """mlx_lm.lora's default --num-layers 16 on a smaller model: mlx-lm's
+    words, then the fix, before anything is written."""
+    flags = base(model, tmp_path)
+    flags[flags.index("--num-layers") + 1] = 16
+    rc, err = lora(capsys, *flags)
+    line = one_line(err)
+    assert rc == 2 and "Requested to train 16 layers but the model only has 4 layers." in line, err
+    assert "Pass --num-layers 4 or fewer (-1 trains every layer)." in line
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("name, lines, flags", [("valid", 1, []), ("test", 1, ["--test"])])
 def test_a_validation_or_test_set_smaller_than_a_batch_is_refused_before_training(
     capsys, model, tmp_path, name, lines, flags
