@@ -168,6 +168,33 @@ def check_model(model: str) -> None:
         )
 
 
+# What a tokenizer is read from (transformers' fast and slow tokenizers).
+_TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.*", "merges.txt", "*.tiktoken")
+
+
+def load_tokenizer(model_path, tokenizer_config: dict, eos_token_ids=None):
+    """mlx-lm's load_tokenizer, with a model directory that lacks its
+    tokenizer's files named: transformers then fails with a message about
+    converting slow tokenizers (llama) or builds an empty tokenizer (qwen2)
+    that mlx-lm's dataset code stops on with an IndexError."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    missing = (
+        f"the model directory {model_path} lacks its tokenizer's files (tokenizer.json, or tokenizer.model or "
+        "vocab.json and merges.txt, with tokenizer_config.json): copy them from the model's source"
+    )
+    has_files = any(any(Path(model_path).glob(f)) for f in _TOKENIZER_FILES)
+    try:
+        tokenizer = mlx_lm_load_tokenizer(Path(model_path), tokenizer_config, eos_token_ids=eos_token_ids)
+    except Exception:
+        if not has_files:
+            raise ValueError(missing) from None
+        raise
+    if len(tokenizer.encode("hello world")) == 0:
+        raise ValueError(f"its tokenizer encodes text to no tokens: {missing}")
+    return tokenizer
+
+
 def _records(path: Path):
     """(line number, record) of a .jsonl file; one clear error per bad line
     (mlx-lm's loader reads every line as JSON: a blank one too)."""

@@ -60,7 +60,7 @@ from mlx.utils import tree_flatten
 
 from . import carry, step
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, baseline_spread, format_size, parse_size
-from .checks import check_backend_ops, check_blocks_unpatched, check_budget_fits, check_pageable
+from .checks import check_backend_ops, check_blocks_unpatched, check_budget_fits, check_pageable, load_tokenizer
 from .governor import Governor, process_rss, return_freed_memory_to_os
 from .layers import BlockList
 from .memlimit import budget_named, budget_or_default, raise_advice
@@ -507,7 +507,7 @@ def load_paged(
     (PagedWeights; None: large blocks in parts by size); generation binds
     each block whole."""
     from mlx_lm.tuner.utils import load_adapters
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model
 
     return_freed_memory_to_os()
     budget = budget_or_default(memory_budget)

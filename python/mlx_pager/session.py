@@ -77,9 +77,9 @@ def model_path_of(model: str) -> Path:
 def load_lazy(args):
     """(model, tokenizer, config, model_path): the model with its weights
     still on disk, as mlx_lm.load(..., lazy=True) returns it."""
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_model
 
-    from .checks import check_backend_ops, check_blocks_unpatched, check_pageable
+    from .checks import check_backend_ops, check_blocks_unpatched, check_pageable, load_tokenizer
 
     model_path = model_path_of(args.model)
     swapcache.check_model_files(model_path)  # a corrupt shard: one error naming it

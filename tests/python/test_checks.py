@@ -96,6 +96,26 @@ def test_adapters_outside_the_blocks_are_refused_before_paging(capsys, model, tm
     assert rc == 0, err
 
 
+def test_a_model_without_its_tokenizer_files_is_named(capsys, model, tmp_path):
+    """Where the directory has none of its tokenizer's files, transformers
+    fails with a message about converting slow tokenizers (llama, here) or
+    builds an empty tokenizer (qwen2) that mlx-lm's dataset code stopped on
+    with an IndexError (mlx_lm.lora too). Training and generation name the
+    missing files, before anything is written."""
+    import shutil
+
+    from mlx_pager.cli import generate_main
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare, ignore=shutil.ignore_patterns("tokenizer*", "*.jinja", "special_tokens_map.json"))
+    rc, err = lora(capsys, *base(bare, tmp_path))
+    line = one_line(err)
+    assert rc == 2 and f"the model directory {bare} lacks its tokenizer's files" in line, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+    rc = generate_main(["--model", str(bare), "--prompt", "hi", "--max-tokens", "2", "--memory-budget", "1GB"])
+    assert rc == 2 and "lacks its tokenizer's files" in capsys.readouterr().err
+
+
 def test_more_layers_than_the_model_has_names_the_most(capsys, model, tmp_path):
     """mlx_lm.lora's default --num-layers 16 on a smaller model: mlx-lm's
     words, then the fix, before anything is written."""
