@@ -280,11 +280,31 @@ def check_data(args) -> None:
             )
 
 
+def check_adapter_paths(args) -> None:
+    """--adapter-path must be a directory (or not exist yet; it is made when
+    the first adapters are saved), and --resume-adapter-file an existing
+    file: each stopped the run with a bare OSError (File exists) or MLX's
+    RuntimeError traceback, after the model and data were loaded."""
+    adapter_path = getattr(args, "adapter_path", None)
+    if args.train and adapter_path is not None and Path(adapter_path).is_file():
+        raise FileExistsError(
+            f"--adapter-path {adapter_path} is a file: choose a directory (it is created if missing); "
+            "the adapters are written into it as adapters.safetensors"
+        )
+    resume_file = getattr(args, "resume_adapter_file", None)
+    if args.train and resume_file is not None and not Path(resume_file).is_file():
+        raise FileNotFoundError(
+            f"--resume-adapter-file {resume_file}: no such file (it takes an adapters.safetensors that an "
+            "earlier run wrote)"
+        )
+
+
 def check_args(args) -> None:
     """Everything refusable before a model or data is loaded."""
     check_flags(args)
     check_model(str(args.model))
     check_data(args)
+    check_adapter_paths(args)
     if getattr(args, "resume", False) and args.train:
         from . import resume
 

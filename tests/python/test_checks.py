@@ -116,6 +116,20 @@ def test_a_model_without_its_tokenizer_files_is_named(capsys, model, tmp_path):
     assert rc == 2 and "lacks its tokenizer's files" in capsys.readouterr().err
 
 
+def test_an_adapter_path_that_is_a_file_or_a_missing_resume_file_is_named(capsys, model, tmp_path):
+    """Each stopped the run after loading, with a bare OSError (File exists)
+    or MLX's RuntimeError traceback."""
+    flags = base(model, tmp_path)
+    (tmp_path / "a").write_text("not a directory")
+    rc, err = lora(capsys, *flags)
+    assert rc == 2 and f"--adapter-path {tmp_path / 'a'} is a file: choose a directory" in one_line(err), err
+    assert (tmp_path / "a").read_text() == "not a directory" and not (tmp_path / "c").exists()
+    (tmp_path / "a").unlink()
+    rc, err = lora(capsys, *flags, "--resume-adapter-file", tmp_path / "gone.safetensors")
+    assert rc == 2 and "--resume-adapter-file" in one_line(err) and "no such file" in err, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
 def test_more_layers_than_the_model_has_names_the_most(capsys, model, tmp_path):
     """mlx_lm.lora's default --num-layers 16 on a smaller model: mlx-lm's
     words, then the fix, before anything is written."""
