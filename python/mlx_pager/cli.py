@@ -399,6 +399,9 @@ def generate_main(argv) -> int:
             parser.error(f"--{flag.replace('_', '-')} is not supported by mlx-pager generate: {why}")
     if args.model is None:
         parser.error("no --model given: pass a local mlx-lm model directory or a hub id")
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        # (mlx-lm's stream_generate raised it, with a traceback, after loading)
+        parser.error(f"--max-tokens must be at least 1, or -1 for no limit, not {args.max_tokens}")
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:

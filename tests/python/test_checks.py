@@ -271,3 +271,15 @@ def test_experts_the_backend_cannot_multiply_are_named_before_anything_is_paged(
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
     rc = generate_main(["--model", str(path), "--prompt", "hi", "--max-tokens", "2", "--memory-budget", "1GB"])
     assert rc == 2 and "hold bfloat16 weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_tokens", [0, -2])
+def test_generate_refuses_a_max_tokens_it_cannot_take_before_loading(capsys, model, max_tokens):
+    """mlx-lm's stream_generate raised it with a traceback, after loading."""
+    from mlx_pager.cli import generate_main
+
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--model", str(model), "--prompt", "hi", "--max-tokens", str(max_tokens)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--max-tokens must be at least 1, or -1 for no limit, not {max_tokens}" in err
+    assert "Traceback" not in err and "Loading" not in err
