@@ -105,6 +105,10 @@ def kv_cache_bytes(config: dict, itemsize: int, tokens: int) -> int:
     return kv_bytes_per_token(config, itemsize) * cap + per_layer * (cap + KV_STEP)
 
 
+# The fewest prompt tokens a prefill chunk holds where the budget is tight.
+MIN_PREFILL_CHUNK = 16
+
+
 def chunk_working_set(config: dict, tokens: int, context: int) -> int:
     """A conservative estimate of one block's working set for a chunk of
     `tokens` new tokens attending over `context` tokens (float32 at worst):
@@ -246,17 +250,22 @@ class PagedModel:
             self.requested_chunk = max(1, int(prefill_step_size))
         p = self.plan
         kv = kv_cache_bytes(self.config, self.act_itemsize, kv_tokens)
-        # The prompt chunk may use a quarter of what is left after the rest
-        # (and never less than it needs for 16 tokens): pages come first.
-        free = p.budget - (p.baseline + p.resident + p.trainable + p.slack + kv)
-        allowance = max(p.max_page, free // 4)
+        # The prompt chunk may use a quarter of what is left after the rest,
+        # or one block page's worth, but never the room one block page needs
+        # (and never less than it needs for MIN_PREFILL_CHUNK tokens): pages
+        # come first. (Up to session 51 it could take one page's worth where
+        # that left no page: a 4-bit MoE whose 512-token chunk reserved 212
+        # MB was refused at 1.2 GB and told to give 1.57 GB, where chunks of
+        # 16 tokens generate within 1.3 GB.)
+        free = p.budget - p.fixed_without_activations - kv
+        allowance = min(max(p.max_page, free // 4), free - p.max_page)
         chunk = self.requested_chunk
         while (
             self.fixed_page_budget is None
-            and chunk > 16
+            and chunk > MIN_PREFILL_CHUNK
             and chunk_working_set(self.config, chunk, kv_tokens) > allowance
         ):
-            chunk //= 2
+            chunk = max(MIN_PREFILL_CHUNK, chunk // 2)
         self.chunk_bytes = chunk_working_set(self.config, chunk, kv_tokens)
         p.activations = kv + self.chunk_bytes
         if self.fixed_page_budget is not None:
@@ -271,7 +280,10 @@ class PagedModel:
                     "budget plans the pages)."
                 )
         if p.page_budget < p.max_page:
-            need = p.least
+            # The least budget: the one whose chunk shrinks to its least.
+            least_chunk = min(chunk, MIN_PREFILL_CHUNK)
+            p.activations = kv + chunk_working_set(self.config, least_chunk, kv_tokens)
+            chunk, need = least_chunk, p.least
             raise BudgetError(
                 f"{budget_named(p.budget, p.given)} is too small to generate with this model: "
                 f"it needs at least {format_size(need, up=True)} (one block page {format_size(p.max_page)} + "

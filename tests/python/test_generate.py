@@ -355,3 +355,34 @@ def test_generates_under_cap_where_mlx_lm_is_killed(big_model, tmp_path):
     lm, lm_peak = run_capped([sys.executable, "-m", "mlx_lm", "generate", *common], CAP, timeout=900)
     assert lm.returncode != 0, "mlx_lm.generate fit under the cap: the test model is too small"
     print(f"mlx_lm.generate under the same cap: exit code {lm.returncode} (peak {lm_peak / 1e6:.0f}MB)")
+
+
+def test_the_least_budget_named_generates_in_small_prompt_chunks(models, tmp_path):
+    """Blocks larger than a prompt chunk (a wide MLP: 54 MB pages): the
+    chunk shrinks toward 16 tokens where the budget is tight rather than
+    keep room one block page needs. The chunk could take one page's worth
+    where that left no page, so budgets that held a page beside a small
+    chunk were refused (a 4-bit MoE told to give 1.57 GB generated within
+    1.35 GB). The least budget a refusal names generates mlx-lm's tokens."""
+    import re
+
+    path = models(
+        "llama", None, hidden_size=512, num_hidden_layers=3, intermediate_size=8192, vocab_size=512, dtype="float32"
+    )
+    common = ["--model", str(path), "--prompt", PROMPT, "--max-tokens", "6", "--ignore-chat-template"]
+    small = cli("generate", *common, "--memory-budget", "50MB", "--ssd-cache-dir", str(tmp_path / "c"))
+    m = re.search(r"it needs at least ([\d.]+)MB \(.* a (\d+)-token prompt chunk", " ".join(small.stderr.split()))
+    assert small.returncode == 2 and m, small.stderr[-2000:]
+    assert int(m.group(2)) == 16
+    least = f"{m.group(1)}MB"
+    got = cli(
+        "generate", *common, "--memory-budget", least, "--ssd-cache-dir", str(tmp_path / "c"), "--verbose", "False"
+    )
+    ref = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", *common, "--verbose", "False"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert got.returncode == 0 and ref.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.strip() == ref.stdout.strip(), (got.stdout, ref.stdout)
