@@ -386,3 +386,39 @@ def test_the_least_budget_named_generates_in_small_prompt_chunks(models, tmp_pat
     )
     assert got.returncode == 0 and ref.returncode == 0, got.stderr[-2000:]
     assert got.stdout.strip() == ref.stdout.strip(), (got.stdout, ref.stdout)
+
+
+def test_the_plan_counts_the_adapters_once(models, tmp_path):
+    """The process's baseline was measured after the adapters were read, so
+    a plan counted them twice: in the baseline and as adapters (a MoE's 211
+    MB of LoRA on its experts raised the least budget named from 1.08 to
+    1.29 GB). With 80 MB of adapters on a 7 MB model, the baseline moves
+    by far less than the adapters."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load_model
+
+    path = models("llama", None, hidden_size=256, num_hidden_layers=2, intermediate_size=768, dtype="float32")
+    lora = {"rank": 2048, "scale": 20.0, "dropout": 0.0}
+    model, _ = load_model(path)
+    model.freeze()
+    linear_to_lora_layers(model, 2, lora)
+    adapters = dict(tree_flatten(model.trainable_parameters()))
+    ad = tmp_path / "ad"
+    ad.mkdir()
+    mx.save_safetensors(str(ad / "adapters.safetensors"), adapters)
+    (ad / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": lora})
+    )
+    size = sum(v.nbytes for v in adapters.values())
+    assert size > 60 << 20
+    del model, adapters
+    kw = dict(ssd_cache_dir=str(tmp_path / "c"), memory_budget="4GB")
+    plain, _ = load_paged(str(path), **kw)
+    without = plain.plan.baseline
+    del plain
+    adapted, _ = load_paged(str(path), adapter_path=str(ad), **kw)
+    assert adapted.plan.trainable == size
+    assert adapted.plan.baseline - without < size // 4, (adapted.plan.baseline, without, size)
