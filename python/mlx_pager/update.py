@@ -111,10 +111,10 @@ class OptimizerStep:
 UPDATE_GROUP_BYTES = 8 << 20
 
 
-def eval_in_groups(params: Dict[str, mx.array], state, group_bytes: Optional[int] = None) -> None:
+def eval_in_groups(params: Dict[str, mx.array], state) -> None:
     """Evaluates an optimizer update (the new `params`, by flat name, and
     the optimizer's `state` tree) a group of parameters at a time, each
-    with its own state, up to `group_bytes` of parameters a group.
+    with its own state, up to UPDATE_GROUP_BYTES of parameters a group.
 
     An evaluation frees the arrays it consumed only when it ends, and the
     compiled update writes new arrays beside the old ones (MLX 0.32's CPU
@@ -127,7 +127,6 @@ def eval_in_groups(params: Dict[str, mx.array], state, group_bytes: Optional[int
     (4x uncompiled, with its temporaries), within the plan's slack
     (budget.CACHE_SLACK) at 8 MB a group. The same kernels run, so the bits
     are the same."""
-    group_bytes = UPDATE_GROUP_BYTES if group_bytes is None else group_bytes
     by_param: Dict[str, List[mx.array]] = {n: [v] for n, v in params.items()}
     rest: List[mx.array] = []
     for k, v in tree_flatten(state):
@@ -140,7 +139,7 @@ def eval_in_groups(params: Dict[str, mx.array], state, group_bytes: Optional[int
     for n, arrays in by_param.items():
         group += arrays
         size += params[n].nbytes
-        if size >= group_bytes:
+        if size >= UPDATE_GROUP_BYTES:
             mx.eval(group)
             group, size = [], 0
     mx.eval(group, rest)
