@@ -561,6 +561,8 @@ def train(
                 "spilled_blocks": probe["placement"].spilled,
                 # the head's chunk of logits the step ran with (0: whole)
                 "head_chunk_bytes": s.head_chunk_bytes,
+                # the query rows attention ran in a chunk of (attention.py; 0: whole)
+                "attention_chunk": s.attention_chunk,
                 # checkpoints written to the SSD and read back (spill.py)
                 "spilled_bytes": probe.get("spilled_bytes", 0),
                 "spill_read_bytes": probe.get("spill_read_bytes", 0),

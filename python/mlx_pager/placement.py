@@ -35,6 +35,11 @@ nothing else. Per step the planner picks
                 may give a row other bits in a product of other rows (about
                 1e-9 on OpenBLAS): chunks only where the whole does not fit.
 
+One more choice is made once, at start-up, not per step: where one
+sequence's block does not fit whole, attention runs in chunks of query rows
+for the whole run (attention.py; session.open_session), and every size here
+is measured with it.
+
 It picks the fastest pair whose predicted peak fits, from sizes measured on
 the previous steps (step.paged_value_and_grad's probe: one recomputed
 block's forward + vjp peak, the tail's peak) and, before any measurement,
@@ -63,6 +68,7 @@ The predicted peak covers what the budget's pool holds during the step:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -322,6 +328,16 @@ class Sizes:
                 self.tail_len = length
                 self.tail_blocks = blocks
                 self.tail_rows = rows
+
+    def with_block(self, nbytes: int, length: int) -> "Sizes":
+        """A copy planned from one block measured at `nbytes` on one
+        sequence of `length` tokens instead of the block measures kept
+        (session.open_session weighs attention in chunks with it)."""
+        trial = copy.deepcopy(self)
+        trial._tokens.pop("block", None)
+        trial.block_one_per_token = None
+        trial.learn({"block": (nbytes, 1, length)})
+        return trial
 
     def _longer(self, what: str, tokens: int) -> bool:
         """Whether a measure of `what` over `tokens` tokens replaces the one kept."""

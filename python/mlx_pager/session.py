@@ -28,10 +28,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import jit, placement, prefix, segment, step, stream, swapcache
+from . import attention, jit, placement, prefix, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
-from .memlimit import budget_or_default
+from .memlimit import budget_or_default, memory_limit
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_footprints, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -139,6 +139,10 @@ class Session:
     window: Tuple[int, int] = (1, 0)
     # mx.compile is off for this session (open_session): put back on close.
     compile_disabled: bool = False
+    # Attention runs in chunks of this many query rows for this session
+    # (attention.route; 0: MLX's own, mlx-lm's arithmetic): where one
+    # sequence's block does not fit whole (open_session). Put back on close.
+    attention_chunk: int = 0
     # Steps in a row whose peak went over the budget, and whether the run
     # was told that its plan needs more than the budget (after_step).
     overs: int = 0
@@ -251,6 +255,9 @@ class Session:
         if self.compile_disabled:
             self.compile_disabled = False
             mx.enable_compile()
+        if self.attention_chunk:
+            self.attention_chunk = 0
+            attention.unroute()
 
     @property
     def pool(self) -> int:
@@ -567,7 +574,12 @@ def simulated_pages(weights: PagedWeights) -> dict:
 
 
 def estimate_sizes(
-    config: dict, seq_len: int, act_itemsize: int, head_chunk_bytes: int, largest_weight_elems: int
+    config: dict,
+    seq_len: int,
+    act_itemsize: int,
+    head_chunk_bytes: int,
+    largest_weight_elems: int,
+    attention_chunk: int = 0,
 ) -> placement.Sizes:
     """What the planner assumes before a step has measured anything: a
     conservative formula for one block's forward + vjp in float32 (~16
@@ -575,13 +587,15 @@ def estimate_sizes(
     scores, their softmax and their gradients, ~6 score-sized buffers),
     and an unquantized copy of the largest weight for backends that
     dequantize. The first step runs by it, so it must not underestimate:
-    the governor cannot step in inside one block's graph."""
+    the governor cannot step in inside one block's graph. With attention
+    in chunks of `attention_chunk` query rows (attention.py), the scores
+    are that many rows long, not seq_len."""
     # (Gemma 3 / 4, Llama 4, Mistral 3 keep these in text_config.)
     config = {**(config.get("text_config") or {}), **{k: v for k, v in config.items() if v is not None}}
     d = int(config.get("hidden_size", 4096))
     f = int(config.get("intermediate_size", 4 * d))
     heads = int(config.get("num_attention_heads", 32))
-    per_token = (16 * d + 6 * f) * 4 + 6 * heads * seq_len * 4
+    per_token = (16 * d + 6 * f) * 4 + 6 * heads * min(seq_len, attention_chunk or seq_len) * 4
     return placement.Sizes(
         hidden=d,
         itemsize=act_itemsize,
@@ -672,6 +686,7 @@ def open_session(args, *rest, **kwargs) -> Session:
     except BaseException:
         if disable:
             mx.enable_compile()
+        attention.unroute()  # (where the probes chose chunks before the error)
         raise
     session.compile_disabled = disable
     return session
@@ -793,14 +808,24 @@ def _open_session(
         margin=Governor.margin_for(plan_budget),
         given=args.memory_budget is not None,
     )
-    if training and first < L:
-        # One block's forward + vjp measured on one sequence of the longest
-        # length, before anything is decided (the formula only stands in
-        # where the measurement fails).
-        weights.pin_resident()
+    # What a start-up probe may take before the process is killed: what
+    # its memory limit (a cgroup's, or RAM) leaves beside what it holds now,
+    # one block page and the slack. Past it, a probe under a hard cap equal
+    # to the budget had the run killed before it could be refused (one
+    # 2,048-token sequence whose block took 900 MB with its attention
+    # whole, under 400 MB). Not the budget's room: a probe over the budget
+    # for a moment, where nothing kills it, measures what the formula
+    # would only guess (and it guesses a short sequence's attention high).
+    uncapped = args.page_budget is not None or budget_error is not None
+    limit = memory_limit()
+    probe_room = float("inf") if limit is None else limit - process_rss() - max_page - slack
+
+    def measure_blocks(sizes, used: int) -> None:
+        """One block's forward + vjp on one sequence of the longest length
+        (`used`: block_probe's), then measured on more, learnt into
+        `sizes`."""
+        sizes.learn({"block": (used, 1, seq_len)})
         try:
-            used = step.probe_block(model, weights, first, 1, seq_len)
-            sizes.learn({"block": (used, 1, seq_len)})
             # Again on as many sequences as a batch has (as many as fit
             # beside the least pages; page_budget: nothing caps the memory),
             # then on one: what does not grow with them is fixed, not per
@@ -816,7 +841,7 @@ def _open_session(
             # block whole) measured next, a few times. The first probe of
             # a process also holds one-off memory (~10 MB there), which the
             # second, on one sequence again, leaves out.
-            if args.batch_size > 1:
+            if args.batch_size > 1 and used <= probe_room:
                 one = step.probe_block(model, weights, first, 1, seq_len)
                 room = plan_budget - plan.fixed_without_activations - max_page
                 rows = args.batch_size if args.page_budget is not None else min(args.batch_size, room // max(1, one))
@@ -831,9 +856,81 @@ def _open_session(
                     rows, wide = more, step.probe_block(model, weights, first, more, seq_len)
                 fixed = (rows * one - wide) // (rows - 1)
                 sizes.learn({"block_fixed": fixed, "block": (wide, rows, seq_len), "block_one": (one, seq_len)})
-        except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
+        except Exception as e:  # as for one sequence: the formula plans the rows
             say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
         release_heap()
+
+    def block_fits(sizes, used: int) -> bool:
+        """Whether the least placement fits the budget with one block's
+        forward + vjp on one sequence measured at `used` bytes."""
+        least = placement.smallest(shape, sizes.with_block(used, seq_len))
+        return plan_budget - plan.fixed_without_activations - least.activations >= max(max_page, least.pages)
+
+    def block_probe(chunk: int) -> int:
+        """One block's forward + vjp on one sequence of seq_len tokens, its
+        attention in chunks of `chunk` query rows (0: whole): measured, or
+        predicted where the formula (estimate_sizes: above the measures)
+        says it may not fit probe_room: measured on the longest half,
+        quarter, ... of the sequence that it says fits, and scaled to
+        seq_len as the formula grows (which overestimates attention's
+        growth); measured at seq_len only where that fits."""
+        largest = _largest_weight_elems(weights)
+
+        def formula(n):
+            return estimate_sizes(config, n, act_itemsize, head_cap, largest, chunk).block(1, n)
+
+        length = seq_len
+        while length > attention.MIN_ATTENTION_CHUNK and formula(length) > probe_room:
+            length //= 2
+        with attention.query_chunks(chunk):
+            used = step.probe_block(model, weights, first, 1, length)
+            if length < seq_len:
+                predicted = int(used * formula(seq_len) / formula(length))
+                used = predicted if predicted > probe_room else step.probe_block(model, weights, first, 1, seq_len)
+        release_heap()
+        return used
+
+    attention_chunk = 0
+    if training and first < L:
+        # One block's forward + vjp measured on one sequence of the longest
+        # length, before anything is decided (the formula only stands in
+        # where the measurement fails).
+        weights.pin_resident()
+        try:
+            used = block_probe(0)
+        except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
+            say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
+            used = None
+        if used is not None and not uncapped:
+            # Where one sequence's block does not fit whole, its attention
+            # runs in chunks of query rows (attention.py) for the whole
+            # session, if that makes it fit (or smaller: the least budget
+            # named is then the chunked one's).
+            try:
+                # Weighed against a second measure: the first probe of a
+                # process holds one-off memory the chunks' would not (a
+                # rank-512 LoRA block at 64 tokens: ~38 MB of its 87, which
+                # chunks of 32 then seemed to save). The plan keeps the
+                # first where attention stays whole, as before.
+                again = block_probe(0) if not block_fits(sizes, used) else used
+                attention_chunk, chunked = attention.choose_chunk(
+                    seq_len, again, block_probe, lambda b: block_fits(sizes, b)
+                )
+                if attention_chunk:
+                    used = chunked
+            except Exception as e:  # the probe in chunks failed: MLX's own attention
+                say(f"Could not measure attention in chunks ({type(e).__name__}); attention runs whole.")
+                attention_chunk = 0
+            if attention_chunk:
+                attention.route(attention_chunk)
+                sizes = estimate_sizes(
+                    config, seq_len, act_itemsize, head_cap, _largest_weight_elems(weights), attention_chunk
+                )
+                sizes.vocab = step._vocab_size(model)
+                if measured is not None:
+                    sizes.learn({"carried": measured})
+        if used is not None:
+            measure_blocks(sizes, used)
     if training:
         # The head's loss and gradient on one row of MIN_HEAD_CHUNK_TOKENS
         # tokens (what the least placement's head holds at most): whole
@@ -928,7 +1025,21 @@ def _open_session(
         raise BudgetError(
             f"{budget_error} This run needs at least {format_size(plan.least, up=True)} ({plan.breakdown()})."
         )
-    plan.check()
+    try:
+        plan.check()
+    except BudgetError as e:
+        if not attention_chunk:
+            raise
+        raise BudgetError(
+            f"{e} (Its activations count one sequence's attention in chunks of {attention_chunk} "
+            "queries: whole, it needs more.)"
+        ) from None
+    if attention_chunk:
+        say(
+            f"One sequence of {seq_len} tokens does not fit the budget with its attention whole: "
+            f"attention runs in chunks of {attention_chunk} queries (its keys' and values' "
+            "gradients differ from mlx-lm's in the last bits)."
+        )
     first_placement = placement.choose(
         shape, sizes, plan.budget - plan.fixed_without_activations, page_cap, ceiling=ceiling
     )
@@ -959,6 +1070,7 @@ def _open_session(
         page_cap=page_cap,
         ceiling=ceiling,
         outside_base=outside_base,
+        attention_chunk=attention_chunk,
     )
     session.place(first_placement or least)
     if not training:

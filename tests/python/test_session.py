@@ -3,6 +3,7 @@ model, the data and the flags, not of whether this run just wrote the swap
 file (writing it leaves heap behind, which the plan used to count as the
 process's baseline)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -345,3 +346,46 @@ def test_the_estimate_reads_a_nested_text_config():
     sz = estimate_sizes(config, 128, 2, 0, 1000)
     assert (sz.hidden, sz.vocab) == (2560, 262_208)
     assert estimate_sizes(dict(config, vocab_size=1000), 128, 2, 0, 1000).vocab == 1000
+
+
+def test_attention_runs_in_chunks_only_where_one_sequence_does_not_fit_whole(models, tmp_path):
+    """One sequence of ~2,000 tokens, 16 heads: its block takes ~900 MB
+    with its attention whole. With room for that the step runs MLX's own
+    attention (mlx-lm's arithmetic); under 400 MB it runs in chunks of
+    query rows (attention.py), with the same loss to float32 rounding; too
+    small even for chunks, the run is refused naming its least budget.
+    MLX's own attention function is back after each (the session's close,
+    or the refusal)."""
+    import mlx.core as mx
+
+    from mlx_pager import attention
+    from mlx_pager.budget import BudgetError
+
+    model = models(
+        "llama",
+        None,
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        vocab_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        dtype="float32",
+    )
+    texts = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    words = " ".join(texts).split() * 3
+    data = tmp_path / "long2k"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"text": " ".join(words[:1600])}) + "\n")
+    kw = dict(data=str(data), max_seq_length=2048, num_layers=-1)
+    whole = run_one_step(model, tmp_path, "whole", memory_budget="4GB", **kw)
+    assert mx.fast.scaled_dot_product_attention is attention._original
+    chunked = run_one_step(model, tmp_path, "chunked", memory_budget="400MB", **kw)
+    assert mx.fast.scaled_dot_product_attention is attention._original
+    assert whole.steps[0]["attention_chunk"] == 0
+    assert 0 < chunked.steps[0]["attention_chunk"] < 2048
+    assert chunked.steps[0]["step_peak_rss_bytes"] <= 400e6
+    assert abs(whole.steps[0]["loss"] - chunked.steps[0]["loss"]) <= 1e-5 * abs(whole.steps[0]["loss"])
+    with pytest.raises(BudgetError, match="attention in chunks of 32 queries"):
+        run_one_step(model, tmp_path, "small", memory_budget="200MB", **kw)
+    assert mx.fast.scaled_dot_product_attention is attention._original
