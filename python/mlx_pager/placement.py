@@ -329,14 +329,16 @@ class Sizes:
                 self.tail_blocks = blocks
                 self.tail_rows = rows
 
-    def with_block(self, nbytes: int, length: int) -> "Sizes":
-        """A copy planned from one block measured at `nbytes` on one
-        sequence of `length` tokens instead of the block measures kept
-        (session.open_session weighs attention in chunks with it)."""
+    def with_measure(self, what: str, nbytes: int, length: int) -> "Sizes":
+        """A copy planned from one block's `what` ("block": forward + vjp;
+        "forward") measured at `nbytes` on one sequence of `length` tokens,
+        instead of the measures of it kept (session.open_session weighs
+        attention in chunks with it)."""
         trial = copy.deepcopy(self)
-        trial._tokens.pop("block", None)
-        trial.block_one_per_token = None
-        trial.learn({"block": (nbytes, 1, length)})
+        trial._tokens.pop(what, None)
+        if what == "block":
+            trial.block_one_per_token = None
+        trial.learn({what: (nbytes, 1, length)})
         return trial
 
     def _longer(self, what: str, tokens: int) -> bool:

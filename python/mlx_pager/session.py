@@ -808,6 +808,7 @@ def _open_session(
         margin=Governor.margin_for(plan_budget),
         given=args.memory_budget is not None,
     )
+
     # What a start-up probe may take before the process is killed: what
     # its memory limit (a cgroup's, or RAM) leaves beside what it holds now,
     # one block page and the slack. Past it, a probe under a hard cap equal
@@ -860,14 +861,20 @@ def _open_session(
             say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
         release_heap()
 
+    # What a block's probe measures: its forward + vjp where this run
+    # trains (the block a recomputed one takes), its forward alone where it
+    # only evaluates (an evaluation sweep's).
+    what = "block" if training else "forward"
+    probed = first if training else 0
+
     def block_fits(sizes, used: int) -> bool:
-        """Whether the least placement fits the budget with one block's
-        forward + vjp on one sequence measured at `used` bytes."""
-        least = placement.smallest(shape, sizes.with_block(used, seq_len))
+        """Whether the least placement fits the budget with one block
+        (`what`) on one sequence measured at `used` bytes."""
+        least = placement.smallest(shape, sizes.with_measure(what, used, seq_len))
         return plan_budget - plan.fixed_without_activations - least.activations >= max(max_page, least.pages)
 
     def block_probe(chunk: int) -> int:
-        """One block's forward + vjp on one sequence of seq_len tokens, its
+        """One block's `what` on one sequence of seq_len tokens, its
         attention in chunks of `chunk` query rows (0: whole): measured, or
         predicted where the formula (estimate_sizes: above the measures)
         says it may not fit probe_room: measured on the longest half,
@@ -875,6 +882,7 @@ def _open_session(
         seq_len as the formula grows (which overestimates attention's
         growth); measured at seq_len only where that fits."""
         largest = _largest_weight_elems(weights)
+        probe = step.probe_block if training else step.probe_forward
 
         def formula(n):
             return estimate_sizes(config, n, act_itemsize, head_cap, largest, chunk).block(1, n)
@@ -883,23 +891,27 @@ def _open_session(
         while length > attention.MIN_ATTENTION_CHUNK and formula(length) > probe_room:
             length //= 2
         with attention.query_chunks(chunk):
-            used = step.probe_block(model, weights, first, 1, length)
+            used = probe(model, weights, probed, 1, length)
             if length < seq_len:
                 predicted = int(used * formula(seq_len) / formula(length))
-                used = predicted if predicted > probe_room else step.probe_block(model, weights, first, 1, seq_len)
+                used = predicted if predicted > probe_room else probe(model, weights, probed, 1, seq_len)
         release_heap()
         return used
 
     attention_chunk = 0
-    if training and first < L:
-        # One block's forward + vjp measured on one sequence of the longest
-        # length, before anything is decided (the formula only stands in
-        # where the measurement fails).
+    if L > 0 and (first < L or not training):
+        # One block measured on one sequence of the longest length, before
+        # anything is decided (the formula only stands in where the
+        # measurement fails): its forward + vjp where this run trains; its
+        # forward where it only evaluates.
         weights.pin_resident()
         try:
             used = block_probe(0)
         except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
-            say(f"Could not measure a block before training ({type(e).__name__}); planning from an estimate.")
+            say(
+                f"Could not measure a block before {'training' if training else 'evaluating'} "
+                f"({type(e).__name__}); planning from an estimate."
+            )
             used = None
         if used is not None and not uncapped:
             # Where one sequence's block does not fit whole, its attention
@@ -929,8 +941,10 @@ def _open_session(
                 sizes.vocab = step._vocab_size(model)
                 if measured is not None:
                     sizes.learn({"carried": measured})
-        if used is not None:
+        if used is not None and training:
             measure_blocks(sizes, used)
+        elif used is not None:
+            sizes.learn({"forward": (used, 1, seq_len)})
     if training:
         # The head's loss and gradient on one row of MIN_HEAD_CHUNK_TOKENS
         # tokens (what the least placement's head holds at most): whole
@@ -1037,8 +1051,12 @@ def _open_session(
     if attention_chunk:
         say(
             f"One sequence of {seq_len} tokens does not fit the budget with its attention whole: "
-            f"attention runs in chunks of {attention_chunk} queries (its keys' and values' "
-            "gradients differ from mlx-lm's in the last bits)."
+            f"attention runs in chunks of {attention_chunk} queries "
+            + (
+                "(its keys' and values' gradients differ from mlx-lm's in the last bits)."
+                if training
+                else "(each row's output is MLX's own)."
+            )
         )
     first_placement = placement.choose(
         shape, sizes, plan.budget - plan.fixed_without_activations, page_cap, ceiling=ceiling

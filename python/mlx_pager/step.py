@@ -772,6 +772,16 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
     step, measured rather than guessed. The block's page is read for it.
     A block that takes carries (carry.py) takes zeros of their shapes
     (_shaped_carries: the blocks below it are not read)."""
+    return _probe(model, weights, block, rows, length, backward=True)
+
+
+def probe_forward(model: nn.Module, weights, block: int, rows: int, length: int) -> int:
+    """probe_block's measure for the block's forward alone (no graph kept):
+    what an evaluation sweep's block takes."""
+    return _probe(model, weights, block, rows, length, backward=False)
+
+
+def _probe(model: nn.Module, weights, block: int, rows: int, length: int, backward: bool) -> int:
     mb = probe_batch(model, rows, length)
     link = None
     if mb.carries.takes(block):
@@ -789,10 +799,13 @@ def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -
         mx.reset_peak_memory()
         layer = model.layers[block]
         with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
-            g_h, g_p, g_c = block_vjp(layer, h, mb.calls[block], mx.ones_like(h), link)
-            mx.eval(g_h, g_p, g_c)
+            if backward:
+                out = block_vjp(layer, h, mb.calls[block], mx.ones_like(h), link)
+            else:
+                out = run_linked(layer, h, mb.calls[block], link)
+            mx.eval(out)
         used = max(0, mx.get_peak_memory() - base)
-        del g_h, g_p, g_c
+        del out
     mx.reset_peak_memory()
     return used
 
