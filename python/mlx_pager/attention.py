@@ -98,35 +98,54 @@ def chunked(queries, keys, values, *, scale: float, mask=None, sinks=None, chunk
     @attend.vjp
     def attend_vjp(primals, cotangent, output):
         q, k, v, m, s = primals
+        # An additive mask can be a function of the inputs (DeepSeek V3's
+        # MLA passes its rotary scores as the mask): it has a gradient too.
+        mask_grad = m is not None and mx.issubdtype(m.dtype, mx.floating)
+        by_rows = m is not None and _mask_rows(m, 0, 1, tq) is not m
         dk = mx.zeros(k.shape, mx.float32)
         dv = mx.zeros(v.shape, mx.float32)
         ds = mx.zeros(s.shape, mx.float32) if s is not None else None
-        dqs = []
+        dm = mx.zeros(m.shape, mx.float32) if mask_grad and not by_rows else None
+        dqs, dms = [], []
         cot = cotangent
         for off in offsets:
             rows = min(chunk, tq - off)
             if dqs:
                 # this chunk starts once the last one's every use is done
-                q, k, v, cot = mx.depends([q, k, v, cot], [dqs[-1], dk, dv] + ([ds] if ds is not None else []))
+                done = [dqs[-1], dk, dv] + [x for x in (ds, dm) if x is not None] + dms[-1:]
+                q, k, v, cot = mx.depends([q, k, v, cot], done)
             n = _key_count(mask, off, rows, tq, tk)
             kmask = mask if mask_array is None else _mask_rows(m, off, rows, tq)
-            wrt = [q[..., off : off + rows, :], k[..., :n, :], v[..., :n, :]] + ([s] if s is not None else [])
+            wrt = [q[..., off : off + rows, :], k[..., :n, :], v[..., :n, :]]
+            wrt += ([kmask] if mask_grad else []) + ([s] if s is not None else [])
 
             def f(qc, kc, vc, *rest, kmask=kmask):
-                return _original(qc, kc, vc, scale=scale, mask=kmask, sinks=rest[0] if rest else None)
+                mc = rest[0] if mask_grad else kmask
+                sc = rest[-1] if s is not None else None
+                return _original(qc, kc, vc, scale=scale, mask=mc, sinks=sc)
 
             _, grads = mx.vjp(f, wrt, [cot[..., off : off + rows, :]])
             pad = [(0, 0)] * (k.ndim - 2) + [(0, tk - n), (0, 0)]
             dk = dk + mx.pad(grads[1].astype(mx.float32), pad)
             dv = dv + mx.pad(grads[2].astype(mx.float32), pad)
+            if mask_grad and by_rows:
+                dms.append(grads[3])
+            elif mask_grad:
+                dm = dm + grads[3].astype(mx.float32)
             if ds is not None:
-                ds = ds + grads[3].astype(mx.float32)
+                ds = ds + grads[-1].astype(mx.float32)
             dqs.append(grads[0])
+        if m is None:
+            dmask = None
+        elif not mask_grad:
+            dmask = mx.zeros_like(m)
+        else:
+            dmask = (mx.concatenate(dms, axis=-2) if by_rows else dm).astype(m.dtype)
         return (
             mx.concatenate(dqs, axis=-2),
             dk.astype(k.dtype),
             dv.astype(v.dtype),
-            mx.zeros_like(m) if m is not None else None,
+            dmask,
             ds.astype(s.dtype) if ds is not None else None,
         )
 

@@ -16,9 +16,12 @@ longer passes fails, as does any architecture that builds and is not refused
 but does not match."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_pager import architectures as A
+from mlx_pager import attention
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +78,44 @@ def test_architecture_generates_bitwise_at_the_least_page_budget(arch_root, mode
     if r.status == "cannot build":
         pytest.skip(r.reason)
     assert r.status == "pass", f"{model_type} {dtype}: {r.status}: {r.reason}"
+
+
+@pytest.mark.parametrize("model_type", [mt for mt in A.model_types() if A.RECORDED.get(mt, {}).get("fp32") == "pass"])
+def test_architecture_s_attention_in_chunks_is_its_attention(arch_root, model_type):
+    """mlx-lm's own LoRA step (float32, 64 tokens) with attention in chunks
+    of 16 query rows (attention.py, as a session routes it where one
+    sequence does not fit whole): the loss and every adapter gradient
+    within float32 rounding of the whole attention's, whatever each
+    architecture passes MLX's attention (masks by rows or broadcast, masks
+    computed from the inputs as MLA's, sinks, grouped heads, other value
+    widths). Architectures that compute attention another way are skipped."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    path = A.build(model_type, "fp32", arch_root)
+    batch = A.sample_batch(path, max_tokens=64)
+    ref = A.reference(path, A.LAYERS)
+    f = nn.value_and_grad(ref, default_loss)
+    (whole, _), g_whole = f(ref, *batch)
+    mx.eval(whole, g_whole)
+    seen = []
+    with attention.query_chunks(16):
+        routed = mx.fast.scaled_dot_product_attention
+
+        def counting(q, *a, **kw):
+            seen.append(q.shape[-2])
+            return routed(q, *a, **kw)
+
+        mx.fast.scaled_dot_product_attention = counting
+        (chunked, _), g_chunked = f(ref, *batch)
+        mx.eval(chunked, g_chunked)
+    assert mx.fast.scaled_dot_product_attention is attention._original
+    if not any(t > 16 for t in seen):
+        pytest.skip("computes attention without mx.fast.scaled_dot_product_attention")
+    assert abs(whole.item() - chunked.item()) <= 1e-6 * abs(whole.item())
+    g_chunked = dict(tree_flatten(g_chunked))
+    for name, g in tree_flatten(g_whole):
+        off, norm = mx.linalg.norm((g - g_chunked[name]).flatten()).item(), mx.linalg.norm(g.flatten()).item()
+        assert off <= 2e-5 * norm, (name, off, norm)  # (LoRA's A: zero gradients at the start)
 
 
 def test_every_recorded_pass_is_still_an_architecture():

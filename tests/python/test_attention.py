@@ -60,6 +60,32 @@ def test_chunks_give_mlx_s_attention_and_its_gradients(mask_kind, sinks):
         assert _rel(a, b) < 3e-6
 
 
+@pytest.mark.parametrize("by_rows", [True, False])
+def test_an_additive_mask_computed_from_inputs_gets_its_gradient(by_rows):
+    """DeepSeek V3's attention (MLA) passes its rotary scores as the mask:
+    the mask is a function of the inputs, and MLX's gradient flows through
+    it; the chunks' must too (zeros there left the adapters' gradients 50%
+    off in every MLA model while the loss was right)."""
+    q, k, v, _, _ = _inputs(None, False)
+    mx.random.seed(4)
+    qp = mx.random.normal((2, 4, 200, 4))
+    kp = mx.random.normal((2, 1, 200, 4))
+    w = mx.random.normal(q.shape, key=mx.random.key(7))
+
+    def loss(fn):
+        def f(q, k, v, qp, kp):
+            mask = qp @ kp.swapaxes(-1, -2) if by_rows else (kp[..., 0] * 3.0)[:, :, None, :]
+            return (fn(q, k, v, scale=0.25, mask=mask) * w).sum()
+
+        return mx.value_and_grad(f, argnums=(0, 1, 2, 3, 4))
+
+    l1, g1 = loss(SDPA)(q, k, v, qp, kp)
+    l2, g2 = loss(lambda *a, **kw: attention.chunked(*a, chunk=64, **kw))(q, k, v, qp, kp)
+    assert abs(l1.item() - l2.item()) <= 1e-5 * abs(l1.item())  # (a float32 sum of 25,600 terms)
+    for a, b in zip(g1, g2):
+        assert _rel(a, b) < 3e-6
+
+
 def test_chunks_under_compile_bfloat16_and_fewer_queries_than_keys():
     # queries after a prefix of keys (a causal mask aligned to the bottom
     # right, as MLX aligns it), bfloat16, inside mx.compile
