@@ -78,3 +78,28 @@ def mlx_lm_class_patches_undone():
         lm_trainer.grad_checkpoint = original
         for cls, call in reversed(patched):
             cls.__call__ = call
+
+
+@pytest.fixture
+def attention_bound(models, tmp_path):
+    """(model, data): a float32 llama of width 256 with 16 heads (2 blocks)
+    and two records of ~2,000 tokens (train and test sets): one sequence's
+    attention is ~95% of its block's forward + vjp, ~900 MB whole (MLX's
+    CPU attention builds every head's scores, its gradient ~3x that)."""
+    model = models(
+        "llama",
+        None,
+        hidden_size=256,
+        num_hidden_layers=2,
+        intermediate_size=512,
+        vocab_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        dtype="float32",
+    )
+    texts = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
+    words = " ".join(texts).split() * 3
+    data = tmp_path / "long2k"
+    for name in ("train", "test"):
+        write_jsonl(data / f"{name}.jsonl", [{"text": " ".join(words[i * 97 : i * 97 + 1600])} for i in range(2)])
+    return model, data

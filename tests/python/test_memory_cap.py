@@ -214,30 +214,17 @@ def test_a_large_vocabulary_trains_under_a_cap_its_whole_logits_do_not_fit(model
     )
 
 
-def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(models, tmp_path):
+def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(attention_bound, tmp_path):
     """One sequence of ~2,000 tokens, 16 heads: one block's forward + vjp
     with its attention whole (MLX's CPU attention builds every head's
     2,048 x 2,048 scores, its gradient about 3x that) takes ~900 MB, so no
-    split of the batch fits a 400 MB cap, and the run was refused there
-    (naming ~1.1 GB). Its attention now runs in chunks of query rows
+    split of the batch fits a 400 MB cap, and the run was killed there (its
+    start-up probe of that block went past the cap before anything could
+    refuse it). Its attention now runs in chunks of query rows
     (attention.py): the run stays under a hard cap equal to its budget, and
     its adapters are mlx_lm.lora's on the same flags (uncapped) within
     float32 rounding (the keys' gradients sum the chunks' shares)."""
-    model = models(
-        "llama",
-        None,
-        hidden_size=256,
-        num_hidden_layers=2,
-        intermediate_size=512,
-        vocab_size=1024,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        dtype="float32",
-    )
-    texts = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
-    words = " ".join(texts).split() * 3
-    data = tmp_path / "long2k"
-    write_jsonl(data / "train.jsonl", [{"text": " ".join(words[i * 97 : i * 97 + 1600])} for i in range(2)])
+    model, data = attention_bound
     cap = 400 * 10**6
     args = ["--iters", "2", "--batch-size", "1", "--num-layers", "-1", "--max-seq-length", "2048"]
     args += ["--learning-rate", "1e-4"]

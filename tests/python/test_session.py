@@ -3,7 +3,6 @@ model, the data and the flags, not of whether this run just wrote the swap
 file (writing it leaves heap behind, which the plan used to count as the
 process's baseline)."""
 
-import json
 import re
 import subprocess
 import sys
@@ -348,7 +347,7 @@ def test_the_estimate_reads_a_nested_text_config():
     assert estimate_sizes(dict(config, vocab_size=1000), 128, 2, 0, 1000).vocab == 1000
 
 
-def test_attention_runs_in_chunks_only_where_one_sequence_does_not_fit_whole(models, tmp_path):
+def test_attention_runs_in_chunks_only_where_one_sequence_does_not_fit_whole(attention_bound, tmp_path):
     """One sequence of ~2,000 tokens, 16 heads: its block takes ~900 MB
     with its attention whole. With room for that the step runs MLX's own
     attention (mlx-lm's arithmetic); with 350 MB over what the process
@@ -363,23 +362,7 @@ def test_attention_runs_in_chunks_only_where_one_sequence_does_not_fit_whole(mod
     from mlx_pager.budget import BudgetError
     from mlx_pager.governor import process_rss
 
-    model = models(
-        "llama",
-        None,
-        hidden_size=256,
-        num_hidden_layers=2,
-        intermediate_size=512,
-        vocab_size=1024,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        dtype="float32",
-    )
-    texts = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
-    words = " ".join(texts).split() * 3
-    data = tmp_path / "long2k"
-    data.mkdir()
-    for name in ("train", "test"):
-        (data / f"{name}.jsonl").write_text(json.dumps({"text": " ".join(words[:1600])}) + "\n")
+    model, data = attention_bound
     kw = dict(data=str(data), max_seq_length=2048, num_layers=-1)
     # (budgets over what this process holds: a whole suite's ~240 MB, ~120 alone)
     held = process_rss()
