@@ -8,7 +8,7 @@ is 537 MB a score array, and one block's forward + vjp peaks at ~1.75 GB of
 MLX memory whatever the batch split: a sequence that long is refused under
 a budget that would hold everything else.
 
-`query_chunks(C)` routes every call of it (mlx-lm's models call it through
+`route(C)` / `query_chunks(C)` route every call of it (mlx-lm's models call it through
 `mlx_lm.models.base.scaled_dot_product_attention`, which looks it up on
 `mx.fast` at each call) to `chunked`, which computes the same attention a
 chunk of C query rows at a time with MLX's own kernel on each chunk, and
@@ -73,9 +73,13 @@ def _mask_rows(mask, off: int, rows: int, tq: int):
 def chunked(queries, keys, values, *, scale: float, mask=None, sinks=None, chunk: int, **kwargs):
     """`mx.fast.scaled_dot_product_attention` in chunks of `chunk` query rows
     (see the module's docstring); the whole call where there is only one
-    chunk, or for anything it does not handle (extra keyword arguments)."""
+    chunk, or for anything it does not handle (extra keyword arguments, a
+    causal mask over fewer keys than queries)."""
     tq, tk = queries.shape[-2], keys.shape[-2]
-    if tq <= chunk or kwargs or (isinstance(mask, str) and mask != "causal"):
+    # (more queries than keys with a causal mask: no call of mlx-lm's, and
+    # a chunk's keys would need MLX's alignment for it: MLX's own call)
+    causal_short = isinstance(mask, str) and tq > tk
+    if tq <= chunk or kwargs or causal_short or (isinstance(mask, str) and mask != "causal"):
         return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
     mask_array = mask if isinstance(mask, mx.array) else None
     offsets = list(range(0, tq, chunk))
@@ -152,53 +156,44 @@ def chunked(queries, keys, values, *, scale: float, mask=None, sinks=None, chunk
     return attend(queries, keys, values, mask_array, sinks)
 
 
-# What route() replaced, to put back (None: not routed).
-_routed_from = None
-
-
-def route(chunk: int) -> None:
+def route(chunk: int):
     """From now on, `mx.fast.scaled_dot_product_attention` runs in chunks of
-    `chunk` query rows (the session's lifetime: Session.close unroutes)."""
-    global _routed_from
-    if _routed_from is None:
-        _routed_from = mx.fast.scaled_dot_product_attention
+    `chunk` query rows (0: MLX's own, whatever was routed before). Returns
+    what it replaced, for restore(): a session routes for its lifetime and
+    puts back what it found (Session.close), not MLX's own, whoever routed
+    before it."""
+    previous = mx.fast.scaled_dot_product_attention
+    if not chunk:
+        mx.fast.scaled_dot_product_attention = _original
+        return previous
 
     def routed(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
         return chunked(queries, keys, values, scale=scale, mask=mask, sinks=sinks, chunk=chunk, **kwargs)
 
     routed.chunk = chunk
     mx.fast.scaled_dot_product_attention = routed
+    return previous
 
 
-def unroute() -> None:
-    """MLX's own attention again (nothing if not routed)."""
-    global _routed_from
-    if _routed_from is not None:
-        mx.fast.scaled_dot_product_attention = _routed_from
-        _routed_from = None
+def restore(previous) -> None:
+    """Puts back what route() returned."""
+    mx.fast.scaled_dot_product_attention = previous
 
 
 def routed_chunk() -> int:
     """The chunk attention is routed to now (0: MLX's own)."""
-    return getattr(mx.fast.scaled_dot_product_attention, "chunk", 0) if _routed_from is not None else 0
+    return getattr(mx.fast.scaled_dot_product_attention, "chunk", 0)
 
 
 @contextlib.contextmanager
 def query_chunks(chunk: Optional[int]):
     """While in it, attention runs in chunks of `chunk` query rows (0 or
-    None: as it was routed before)."""
-    if not chunk:
-        yield
-        return
-    before = routed_chunk()
-    route(chunk)
+    None: MLX's own, whole, even where it was routed before)."""
+    previous = route(chunk or 0)
     try:
         yield
     finally:
-        if before:
-            route(before)
-        else:
-            unroute()
+        restore(previous)
 
 
 def choose_chunk(

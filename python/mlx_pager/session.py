@@ -141,8 +141,10 @@ class Session:
     compile_disabled: bool = False
     # Attention runs in chunks of this many query rows for this session
     # (attention.route; 0: MLX's own, mlx-lm's arithmetic): where one
-    # sequence's block does not fit whole (open_session). Put back on close.
+    # sequence's block does not fit whole (open_session). What it replaced
+    # is put back on close.
     attention_chunk: int = 0
+    attention_replaced: Optional[Callable] = None
     # Steps in a row whose peak went over the budget, and whether the run
     # was told that its plan needs more than the budget (after_step).
     overs: int = 0
@@ -257,7 +259,7 @@ class Session:
             mx.enable_compile()
         if self.attention_chunk:
             self.attention_chunk = 0
-            attention.unroute()
+            attention.restore(self.attention_replaced)
 
     @property
     def pool(self) -> int:
@@ -681,12 +683,13 @@ def open_session(args, *rest, **kwargs) -> Session:
     disable = budget is not None and jit.tail_compile_refused(budget) is not None
     if disable:
         mx.disable_compile()
+    attention_before = mx.fast.scaled_dot_product_attention  # (the probes may route it)
     try:
         session = _open_session(args, *rest, **kwargs)
     except BaseException:
         if disable:
             mx.enable_compile()
-        attention.unroute()  # (where the probes chose chunks before the error)
+        attention.restore(attention_before)
         raise
     session.compile_disabled = disable
     return session
@@ -819,7 +822,14 @@ def _open_session(
     # would only guess (and it guesses a short sequence's attention high).
     uncapped = args.page_budget is not None or budget_error is not None
     limit = memory_limit()
-    probe_room = float("inf") if limit is None else limit - process_rss() - max_page - slack
+
+    def room_for_probes() -> float:
+        """probe_room, with the resident page pinned (the probes' embedding
+        and head need it: 270 MB for a 150k-token bf16 vocabulary)."""
+        weights.pin_resident()
+        return float("inf") if limit is None else limit - process_rss() - max_page - slack
+
+    probe_room = float("inf")
 
     def measure_blocks(sizes, used: int) -> None:
         """One block's forward + vjp on one sequence of the longest length
@@ -844,7 +854,7 @@ def _open_session(
             # second, on one sequence again, leaves out.
             if args.batch_size > 1 and used <= probe_room:
                 one = step.probe_block(model, weights, first, 1, seq_len)
-                room = plan_budget - plan.fixed_without_activations - max_page
+                room = int(min(plan_budget - plan.fixed_without_activations - max_page, probe_room))
                 rows = args.batch_size if args.page_budget is not None else min(args.batch_size, room // max(1, one))
             else:
                 rows = 1
@@ -898,13 +908,13 @@ def _open_session(
         release_heap()
         return used
 
-    attention_chunk = 0
+    attention_chunk, attention_replaced = 0, None
     if L > 0 and (first < L or not training):
         # One block measured on one sequence of the longest length, before
         # anything is decided (the formula only stands in where the
         # measurement fails): its forward + vjp where this run trains; its
         # forward where it only evaluates.
-        weights.pin_resident()
+        probe_room = room_for_probes()
         try:
             used = block_probe(0)
         except Exception as e:  # an architecture the dummy batch does not suit: the formula plans
@@ -923,18 +933,21 @@ def _open_session(
                 # process holds one-off memory the chunks' would not (a
                 # rank-512 LoRA block at 64 tokens: ~38 MB of its 87, which
                 # chunks of 32 then seemed to save). The plan keeps the
-                # first where attention stays whole, as before.
+                # first where attention stays whole and neither fits (the
+                # least budget named, as before), the second where it fits.
                 again = block_probe(0) if not block_fits(sizes, used) else used
                 attention_chunk, chunked = attention.choose_chunk(
                     seq_len, again, block_probe, lambda b: block_fits(sizes, b)
                 )
                 if attention_chunk:
                     used = chunked
+                elif block_fits(sizes, again):
+                    used = again
             except Exception as e:  # the probe in chunks failed: MLX's own attention
                 say(f"Could not measure attention in chunks ({type(e).__name__}); attention runs whole.")
                 attention_chunk = 0
             if attention_chunk:
-                attention.route(attention_chunk)
+                attention_replaced = attention.route(attention_chunk)
                 sizes = estimate_sizes(
                     config, seq_len, act_itemsize, head_cap, _largest_weight_elems(weights), attention_chunk
                 )
@@ -1089,6 +1102,7 @@ def _open_session(
         ceiling=ceiling,
         outside_base=outside_base,
         attention_chunk=attention_chunk,
+        attention_replaced=attention_replaced,
     )
     session.place(first_placement or least)
     if not training:

@@ -338,14 +338,14 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
         say=cb.on_message,
         prep_progress=_prep_progress(cb, args.quiet),
     )
-    result.plan = session.plan
-    result.page_footprints = session.page_footprints
-    result.page_read_bytes = session.page_read_bytes
-    result.block_pages = session.block_pages
-    result.tail_back_pages = session.tail_back_pages
-    session.gov.on_rung = cb.on_governor
-    cb.on_session(session)
-    try:
+    try:  # (the session is closed whatever fails from here: a callback too)
+        result.plan = session.plan
+        result.page_footprints = session.page_footprints
+        result.page_read_bytes = session.page_read_bytes
+        result.block_pages = session.block_pages
+        result.tail_back_pages = session.tail_back_pages
+        session.gov.on_rung = cb.on_governor
+        cb.on_session(session)
         if args.train:
             result.adapter_file = train_model(args, session, train_cached, valid_cached, cb, result)
         if test_cached is not None:

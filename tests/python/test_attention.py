@@ -119,22 +119,33 @@ def test_one_chunk_s_scores_are_live_at_a_time():
     assert chunked < whole / 4 and chunked < scores, (whole, chunked)
 
 
-def test_query_chunks_puts_mlx_s_function_back():
+def test_query_chunks_puts_back_what_it_found():
     before = mx.fast.scaled_dot_product_attention
     with attention.query_chunks(64):
         assert attention.routed_chunk() == 64
         with attention.query_chunks(32):
             assert attention.routed_chunk() == 32
+        with attention.query_chunks(0):  # whole, while routed
+            assert mx.fast.scaled_dot_product_attention is SDPA
         assert attention.routed_chunk() == 64
     assert mx.fast.scaled_dot_product_attention is before and attention.routed_chunk() == 0
     with pytest.raises(ValueError):
         with attention.query_chunks(64):
             raise ValueError
     assert mx.fast.scaled_dot_product_attention is before
-    attention.route(128)
-    attention.unroute()
-    attention.unroute()  # (twice: nothing)
+    # a session's route puts back what it found, not MLX's own
+    outer = attention.route(128)
+    inner = attention.route(32)
+    attention.restore(inner)
+    assert attention.routed_chunk() == 128
+    attention.restore(outer)
     assert mx.fast.scaled_dot_product_attention is before
+
+
+def test_a_causal_mask_over_fewer_keys_than_queries_is_mlx_s_own():
+    q, k, v, _, _ = _inputs("causal", False, tq=80, tk=40)
+    whole = SDPA(q, k, v, scale=0.25, mask="causal")
+    assert mx.array_equal(whole, attention.chunked(q, k, v, scale=0.25, mask="causal", chunk=32)).item()
 
 
 def test_choose_chunk_takes_the_largest_chunk_that_fits():
