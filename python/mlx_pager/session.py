@@ -873,9 +873,10 @@ def _open_session(
 
     # What a block's probe measures: its forward + vjp where this run
     # trains (the block a recomputed one takes), its forward alone where it
-    # only evaluates (an evaluation sweep's).
+    # only evaluates (an evaluation sweep's, on the largest block: the
+    # sweep runs them all, and nothing measures it again).
     what = "block" if training else "forward"
-    probed = first if training else 0
+    probed = first if training else max(range(L), key=lambda i: shape.footprints[i], default=0)
 
     def block_fits(sizes, used: int) -> bool:
         """Whether the least placement fits the budget with one block
