@@ -51,15 +51,6 @@ MIN_ATTENTION_SAVING = 0.25
 _original = mx.fast.scaled_dot_product_attention
 
 
-def _key_count(mask, off: int, rows: int, tq: int, tk: int) -> int:
-    """The keys the queries off..off+rows-1 can see: with a causal mask
-    (aligned to the bottom right), those up to their own position; else
-    all of them."""
-    if isinstance(mask, str):
-        return min(tk, off + rows + max(0, tk - tq))
-    return tk
-
-
 def _mask_rows(mask, off: int, rows: int, tq: int):
     """The mask for query rows off..off+rows-1 (a mask that broadcasts over
     the query axis stays whole)."""
@@ -76,19 +67,20 @@ def chunked(queries, keys, values, *, scale: float, mask=None, sinks=None, chunk
     chunk, or for anything it does not handle (extra keyword arguments, a
     causal mask over fewer keys than queries)."""
     tq, tk = queries.shape[-2], keys.shape[-2]
-    # (more queries than keys with a causal mask: no call of mlx-lm's, and
+    # (a causal mask over more queries than keys: no call of mlx-lm's, and
     # a chunk's keys would need MLX's alignment for it: MLX's own call)
-    causal_short = isinstance(mask, str) and tq > tk
-    if tq <= chunk or kwargs or causal_short or (isinstance(mask, str) and mask != "causal"):
+    if tq <= chunk or kwargs or (isinstance(mask, str) and (mask != "causal" or tq > tk)):
         return _original(queries, keys, values, scale=scale, mask=mask, sinks=sinks, **kwargs)
     mask_array = mask if isinstance(mask, mx.array) else None
     offsets = list(range(0, tq, chunk))
 
-    def piece(off, q, k, v, m, s):
+    def chunk_of(off, m):
+        """(rows, keys, mask) of the chunk at query row `off`: with a causal
+        mask (aligned to the bottom right) only the keys up to its last
+        row; `m` the mask array as traced (None: `mask` as given)."""
         rows = min(chunk, tq - off)
-        n = _key_count(mask, off, rows, tq, tk)
-        kmask = mask if mask_array is None else _mask_rows(m, off, rows, tq)
-        return _original(q[..., off : off + rows, :], k[..., :n, :], v[..., :n, :], scale=scale, mask=kmask, sinks=s)
+        n = min(tk, off + rows + tk - tq) if mask_array is None and mask is not None else tk
+        return rows, n, mask if mask_array is None else _mask_rows(m, off, rows, tq)
 
     @mx.custom_function
     def attend(q, k, v, m, s):
@@ -96,7 +88,10 @@ def chunked(queries, keys, values, *, scale: float, mask=None, sinks=None, chunk
         for off in offsets:
             if outs:  # (each input: MLX would copy every chunk's keys at once)
                 q, k, v = mx.depends([q, k, v], [outs[-1]])
-            outs.append(piece(off, q, k, v, m, s))
+            rows, n, kmask = chunk_of(off, m)
+            outs.append(
+                _original(q[..., off : off + rows, :], k[..., :n, :], v[..., :n, :], scale=scale, mask=kmask, sinks=s)
+            )
         return mx.concatenate(outs, axis=-2)
 
     @attend.vjp
@@ -113,13 +108,11 @@ def chunked(queries, keys, values, *, scale: float, mask=None, sinks=None, chunk
         dqs, dms = [], []
         cot = cotangent
         for off in offsets:
-            rows = min(chunk, tq - off)
             if dqs:
                 # this chunk starts once the last one's every use is done
                 done = [dqs[-1], dk, dv] + [x for x in (ds, dm) if x is not None] + dms[-1:]
                 q, k, v, cot = mx.depends([q, k, v, cot], done)
-            n = _key_count(mask, off, rows, tq, tk)
-            kmask = mask if mask_array is None else _mask_rows(m, off, rows, tq)
+            rows, n, kmask = chunk_of(off, m)
             wrt = [q[..., off : off + rows, :], k[..., :n, :], v[..., :n, :]]
             wrt += ([kmask] if mask_grad else []) + ([s] if s is not None else [])
 

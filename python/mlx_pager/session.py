@@ -785,11 +785,19 @@ def _open_session(
         carries=carries.pairs(),
     )
     head_cap = args.head_chunk_bytes or 0  # (None: the head whole unless the plan chunks it)
-    sizes = estimate_sizes(config, seq_len, act_itemsize, head_cap, _largest_weight_elems(weights))
-    sizes.vocab = step._vocab_size(model)  # the head's own (step.head_chunks sizes its chunks by it)
+    largest = _largest_weight_elems(weights)
     measured = step.carried_sizes(model) if carries else None
-    if measured is not None:
-        sizes.learn({"carried": measured})  # from the graph's shapes, before any step
+
+    def fresh_sizes(attention_chunk: int = 0) -> placement.Sizes:
+        """The formula's sizes, with attention in chunks of `attention_chunk`
+        query rows (0: whole), before any block is measured."""
+        sizes = estimate_sizes(config, seq_len, act_itemsize, head_cap, largest, attention_chunk)
+        sizes.vocab = step._vocab_size(model)  # the head's own (step.head_chunks sizes its chunks by it)
+        if measured is not None:
+            sizes.learn({"carried": measured})  # from the graph's shapes, before any step
+        return sizes
+
+    sizes = fresh_sizes()
     if training:
         # The frozen prefix's outputs for the steps to come (prefix.py):
         # one hidden state per batch, and the carries above it take.
@@ -892,7 +900,6 @@ def _open_session(
         quarter, ... of the sequence that it says fits, and scaled to
         seq_len as the formula grows (which overestimates attention's
         growth); measured at seq_len only where that fits."""
-        largest = _largest_weight_elems(weights)
         probe = step.probe_block if training else step.probe_forward
 
         def formula(n):
@@ -949,12 +956,7 @@ def _open_session(
                 attention_chunk = 0
             if attention_chunk:
                 attention_replaced = attention.route(attention_chunk)
-                sizes = estimate_sizes(
-                    config, seq_len, act_itemsize, head_cap, _largest_weight_elems(weights), attention_chunk
-                )
-                sizes.vocab = step._vocab_size(model)
-                if measured is not None:
-                    sizes.learn({"carried": measured})
+                sizes = fresh_sizes(attention_chunk)
         if used is not None and training:
             measure_blocks(sizes, used)
         elif used is not None:
