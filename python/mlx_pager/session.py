@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import attention, jit, placement, prefix, segment, step, stream, swapcache
+from . import attention, jit, kinds, placement, prefix, segment, step, stream, swapcache
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
 from .memlimit import budget_or_default, memory_limit
@@ -861,18 +861,18 @@ def _open_session(
             # a process also holds one-off memory (~10 MB there), which the
             # second, on one sequence again, leaves out.
             if args.batch_size > 1 and used <= probe_room:
-                one = step.probe_block(model, weights, first, 1, seq_len)
+                one = step.probe_block(model, weights, probed, 1, seq_len)
                 room = int(min(plan_budget - plan.fixed_without_activations - max_page, probe_room))
                 rows = args.batch_size if args.page_budget is not None else min(args.batch_size, room // max(1, one))
             else:
                 rows = 1
             if rows > 1:
-                wide = step.probe_block(model, weights, first, rows, seq_len)
+                wide = step.probe_block(model, weights, probed, rows, seq_len)
                 for _ in range(WIDER_BLOCK_PROBES):  # (page_budget: the batch's rows already)
                     more = min(args.batch_size, rows + max(0, room - wide) // max(1, one))
                     if more <= rows:
                         break
-                    rows, wide = more, step.probe_block(model, weights, first, more, seq_len)
+                    rows, wide = more, step.probe_block(model, weights, probed, more, seq_len)
                 fixed = (rows * one - wide) // (rows - 1)
                 sizes.learn({"block_fixed": fixed, "block": (wide, rows, seq_len), "block_one": (one, seq_len)})
         except Exception as e:  # as for one sequence: the formula plans the rows
@@ -884,7 +884,12 @@ def _open_session(
     # only evaluates (an evaluation sweep's, on the largest block: the
     # sweep runs them all, and nothing measures it again).
     what = "block" if training else "forward"
+    # One block of each kind (kinds.py: a hybrid model's linear-attention
+    # and full-attention blocks), among the trained blocks (the blocks whose
+    # forward + vjp a step runs) or, evaluating, all; the plan takes the
+    # largest measure, and `probed` is the block that gave it.
     probed = first if training else max(range(L), key=lambda i: shape.footprints[i], default=0)
+    measured_blocks, standing = [probed], {}  # (standing: each measured block's kind, kinds.represented)
 
     def block_fits(sizes, used: int) -> bool:
         """Whether the least placement fits the budget with one block
@@ -905,16 +910,21 @@ def _open_session(
         def formula(n):
             return estimate_sizes(config, n, act_itemsize, head_cap, largest, chunk).block(1, n)
 
+        nonlocal probed
         length = seq_len
         while length > attention.MIN_ATTENTION_CHUNK and formula(length) > probe_room:
             length //= 2
-        with attention.query_chunks(chunk):
-            used = probe(model, weights, probed, 1, length)
-            if length < seq_len:
-                predicted = int(used * formula(seq_len) / formula(length))
-                used = predicted if predicted > probe_room else probe(model, weights, probed, 1, seq_len)
-        release_heap()
-        return used
+        most = -1
+        for block in measured_blocks:
+            with attention.query_chunks(chunk):
+                used = probe(model, weights, block, 1, length)
+                if length < seq_len:
+                    predicted = int(used * formula(seq_len) / formula(length))
+                    used = predicted if predicted > probe_room else probe(model, weights, block, 1, seq_len)
+            release_heap()
+            if used > most:
+                most, probed = used, block
+        return most
 
     attention_chunk, attention_replaced = 0, None
     if L > 0 and (first < L or not training):
@@ -922,6 +932,14 @@ def _open_session(
         # anything is decided (the formula only stands in where the
         # measurement fails): its forward + vjp where this run trains; its
         # forward where it only evaluates.
+        try:
+            # (the calls' shapes only: nothing recorded is evaluated)
+            recorded = step.record_calls(model, mx.zeros((1, seq_len), dtype=mx.int32))[1]
+            standing = kinds.represented(model, recorded, range(first, L) if training else range(L), shape.footprints)
+            measured_blocks = list(standing) or measured_blocks
+            del recorded
+        except Exception:  # (the probe below says what failed)
+            pass
         probe_room = room_for_probes()
         try:
             used = block_probe(0)

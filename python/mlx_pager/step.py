@@ -949,9 +949,10 @@ def paged_value_and_grad(
     `probe` (a dict) gets what this step measured, for the placement
     planner (placement.py), from MLX's peak-memory counter (which it
     resets; "peak" keeps the step's overall MLX peak):
-      "block": (bytes, rows, length) of one recomputed block's forward +
-               vjp on the first micro-batch (its rows and padded length),
-               over the memory active before it;
+      "block": (bytes, rows, length) of the largest recomputed block's
+               forward + vjp on the first micro-batch (its rows and padded
+               length), over the memory active before it (every recomputed
+               block is measured: a hybrid model's kinds differ, kinds.py);
       "tail":  (bytes, blocks, rows, length) of the tail segment's vjp on
                the first micro-batch, likewise;
       "peak":  MLX's peak memory over the step;
@@ -1100,13 +1101,15 @@ def paged_value_and_grad(
             del kept
             new_cots, block_grads = [], {}
             for m, (h, mb) in enumerate(zip(ins, micro_batches)):
-                base = _measure_start(probe) if m == 0 and i == s_tail - 1 else None
+                base = _measure_start(probe) if m == 0 else None
                 link = carry.link(carries, i, extras[m], pending[m], first)
                 extra = [g for k in (link.keep if link else ()) for g in pending[m].pop((i, k))]
                 g_h, g_p, g_c = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m], link, extra)
                 if base is not None:
                     mx.eval(g_h, g_p)
-                    probe["block"] = (_measure_end(probe, base), mb.rows, int(h.shape[1]))
+                    took = _measure_end(probe, base)
+                    if took >= probe.get("block", (-1,))[0]:
+                        probe["block"] = (took, mb.rows, int(h.shape[1]))
                 new_cots.append(g_h)
                 add(block_grads, i, g_p)
                 if link is not None:

@@ -97,9 +97,36 @@ def attention_bound(models, tmp_path):
         num_key_value_heads=4,
         dtype="float32",
     )
+    return model, long_records(tmp_path)
+
+
+@pytest.fixture
+def hybrid_bound(models, tmp_path):
+    """(model, data): a float32 LFM2 of 4 blocks, short convolutions in
+    blocks 0 and 2, attention with 16 heads in 1 and 3, and the records of
+    attention_bound: at ~2,000 tokens an attention block's forward + vjp
+    takes ~865 MB, a convolution block's ~53 MB. Trained whole, its first
+    trained block is the small kind."""
+    from mlx_pager import architectures as A
+
+    config = dict(
+        A.spec_for("lfm2", "fp32").config,
+        vocab_size=1024,
+        hidden_size=128,
+        block_dim=128,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        block_ff_dim=256,
+        intermediate_size=256,
+    )
+    return models("lfm2", None, config=config, vocab_size=1024, dtype="float32"), long_records(tmp_path)
+
+
+def long_records(tmp_path: Path) -> Path:
+    """Train and test sets of two records of ~2,000 tokens each."""
     texts = [json.loads(l)["text"] for l in (SAMPLE / "train.jsonl").read_text().splitlines()]
     words = " ".join(texts).split() * 3
     data = tmp_path / "long2k"
     for name in ("train", "test"):
         write_jsonl(data / f"{name}.jsonl", [{"text": " ".join(words[i * 97 : i * 97 + 1600])} for i in range(2)])
-    return model, data
+    return data

@@ -238,6 +238,28 @@ def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(at
     )
 
 
+def test_a_hybrid_model_whose_first_trained_block_is_its_smallest_kind_trains_under_a_cap(hybrid_bound, tmp_path):
+    """LFM2's convolution blocks take ~53 MB for one 2,000-token sequence's
+    forward + vjp, its attention blocks ~865 MB. The session measured the
+    first trained block (a convolution) and planned every block from it:
+    under a 400 MB cap the run was killed in its first step. Now it
+    measures one block of each kind (kinds.py) and plans from the largest:
+    its attention runs in chunks, the run stays under a hard cap equal to
+    its budget, and its adapters are mlx_lm.lora's (uncapped) within
+    float32 rounding."""
+    model, data = hybrid_bound
+    cap = 400 * 10**6
+    args = ["--iters", "2", "--batch-size", "1", "--num-layers", "-1", "--max-seq-length", "2048"]
+    args += ["--learning-rate", "1e-4"]
+    steps, peak = train_capped_against_mlx_lm(model, data, tmp_path, cap, args, 1e-4)
+    assert len(steps) == 2 and steps[0]["tokens"] > 1500, steps
+    assert all(0 < s["attention_chunk"] < s["tokens"] for s in steps), steps
+    print(
+        f"\nLFM2, 1 x {steps[0]['tokens']} tokens, under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
+        f"attention in chunks of {steps[0]['attention_chunk']} queries"
+    )
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_large_adapters_train_under_a_cap_at_the_least_budget_named(models, tmp_path, accumulate):
     """LoRA of rank 512 on every projection of 4 blocks of width 1024: 153

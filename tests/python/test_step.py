@@ -1087,6 +1087,25 @@ def test_a_carry_passed_on_unchanged_is_counted_once(tmp_path):
         assert probe["carried"][0] == mb.h0.nbytes and probe["carried"][3] == 3, compile
 
 
+def test_the_step_measures_its_largest_recomputed_block(tmp_path):
+    """A hybrid model's recomputed blocks differ in kind (kinds.py): LFM2's
+    attention block takes ~2x its convolution blocks at 256 tokens. The
+    step's "block" measure, which the next placement is planned from, is
+    the largest recomputed block's (it was the topmost one's: a
+    convolution block here, which would have planned the attention block at
+    half its size)."""
+    path = A.build("lfm2", "fp32", tmp_path / "models")
+    model, w = paged(path, 4, "auto", tmp_path)
+    w.pin_resident()
+    attention = S.probe_block(model, w, 1, 1, 256)
+    assert S.probe_block(model, w, 2, 1, 256) < 0.7 * attention
+    batch = mx.zeros((1, 257), dtype=mx.int32)
+    probe, mb = {}, S.MicroBatch.from_batch(batch, mx.array([[0, 256]]))
+    S.paged_value_and_grad(model, w, [mb], blocks=S.Blocks(model, compile=False), tail_start=3, probe=probe)
+    assert probe["block"][1:] == (1, 256)
+    assert probe["block"][0] >= 0.8 * attention, (probe["block"], attention)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_the_head_measured_on_a_few_tokens_plans_a_longer_batch_s(tmp_path, arch):
     """step.probe_head: the head's loss and gradient measured on one row of
