@@ -146,7 +146,7 @@ class Tail:
         # so that a shape's go together.
         self.fns = fns if fns is not None else CompiledShapes()
         self._stream = [None]  # the Stream a streamed trace builds its reads from (None: held)
-        self.uncompiled: Optional[str] = None  # why mx.compile failed
+        self.uncompiled: Optional[str] = None  # why it runs uncompiled (mx.compile failed, or Blocks.run_uncompiled)
 
     def value_and_grad(
         self, start: int, mb: "step.MicroBatch", h: mx.array, keys, chunk_bytes: int, stream=None, extras=None

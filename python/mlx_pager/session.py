@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,6 +44,11 @@ _PEAK_JITTER_MIN = 4 << 20
 # How many more times the session's block probe widens its batch towards
 # the batch's rows, where the room allows (open_session).
 WIDER_BLOCK_PROBES = 3
+# A kind of block runs uncompiled where compiled its forward + vjp takes
+# more than COMPILED_GROWTH times uncompiled on COMPILED_CHECK_TOKENS
+# tokens (compiled_over).
+COMPILED_GROWTH = 1.5
+COMPILED_CHECK_TOKENS = 256
 
 
 def plan_slack() -> int:
@@ -661,6 +666,38 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
             mx.eval([d.m for d in doras])
 
 
+def compiled_over(model, weights, blocks: step.Blocks, standing: Dict[int, List[int]], seq_len: int) -> List[str]:
+    """Runs uncompiled the kinds of blocks (`standing`: kinds.represented)
+    whose forward + vjp compiled takes more than COMPILED_GROWTH times
+    uncompiled, measured on COMPILED_CHECK_TOKENS tokens (at most
+    `seq_len`): the plan is the uncompiled measure. On MLX's CPU backend
+    mlx-lm's linear-attention (gated delta) and Mamba blocks are loops
+    over the sequence, and compiled their memory grows with its square:
+    a tiny Qwen3-Next linear-attention block took 47 MB compiled against 7
+    uncompiled at 256 tokens, 2.9 GB against 59 MB at 2,048 (mlx_lm.lora
+    itself peaked at 4.3 GB there); a Mamba block 3.4x at 256. Other blocks
+    take about the same either way. Returns what it says, a line per kind."""
+    said = []
+    n = min(seq_len, COMPILED_CHECK_TOKENS)
+    for block, kind in standing.items():
+        try:
+            plain = step.probe_block(model, weights, block, 1, n)
+            compiled = step.probe_block(model, weights, block, 1, n, blocks=blocks)
+        except Exception:  # (the step says what fails)
+            continue
+        if compiled > COMPILED_GROWTH * plain + (1 << 20):
+            why = (
+                f"compiled, block {block}'s forward + vjp took {format_size(compiled)} on {n} tokens, "
+                f"{format_size(plain)} uncompiled"
+            )
+            blocks.run_uncompiled(kind, why)
+            which = f"Blocks {', '.join(map(str, kind))} run" if len(kind) > 1 else f"Block {kind[0]} runs"
+            said.append(f"{which} uncompiled: {why}.")
+    blocks.drop_compiled()  # (the checks' shapes)
+    release_heap()
+    return said
+
+
 def open_session(args, *rest, **kwargs) -> Session:
     """Pages `model`, attaches adapters (`attach_adapters()`, called after the
     frozen weights are registered), plans the budget and starts governing
@@ -1104,6 +1141,9 @@ def _open_session(
     uncompiled_tail = jit.tail_compile_refused(plan.budget)
     blocks = step.Blocks(model, compile=uncompiled_tail is None, compile_tail=uncompiled_tail is None)
     gov.drop_stale_graphs = blocks.drop_stale
+    if training and blocks.compile:
+        for names in compiled_over(model, weights, blocks, standing, seq_len):
+            say(names)
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)
     session = Session(

@@ -640,7 +640,7 @@ class Blocks:
         # and the tail's.
         self.fns = CompiledShapes(keep_shapes)
         self._extras: Dict[int, object] = {}  # block -> its kept outputs' template (carry.template)
-        self.uncompiled: Dict[int, str] = {}  # block -> why mx.compile failed
+        self.uncompiled: Dict[int, str] = {}  # block -> why it runs uncompiled (mx.compile failed, run_uncompiled)
         # Forward blocks in parts that ran bound whole (their pages all
         # acquired before the block's graphs and held to their end: several
         # micro-batches), in the order run, since the caller last
@@ -677,6 +677,14 @@ class Blocks:
         self.compile, self.tail.compile = False, False
         self.drop_compiled()
         return True
+
+    def run_uncompiled(self, blocks, why: str) -> None:
+        """Runs `blocks` uncompiled from now on (`why`: one line), and the
+        tail segment, which may hold them, too."""
+        for i in blocks:
+            self.uncompiled[i] = why
+        self.fns.discard(lambda name: name[0] in ("fwd", "bwd") and name[1] in self.uncompiled)
+        self.tail.uncompiled = self.tail.uncompiled or why
 
     def _compiled(self, i: int, fn, *args):
         """fn(*args) compiled; None when the block cannot be compiled (the
@@ -765,14 +773,16 @@ class Blocks:
         return g_h, dict(zip(names, grads)), g_c
 
 
-def probe_block(model: nn.Module, weights, block: int, rows: int, length: int) -> int:
+def probe_block(model: nn.Module, weights, block: int, rows: int, length: int, blocks=None) -> int:
     """MLX's peak memory for block `block`'s forward + vector-Jacobian
     product on a micro-batch of `rows` x `length` tokens (over the memory
     active before it): what the placement planner needs before the first
     step, measured rather than guessed. The block's page is read for it.
     A block that takes carries (carry.py) takes zeros of their shapes
-    (_shaped_carries: the blocks below it are not read)."""
-    return _probe(model, weights, block, rows, length, backward=True)
+    (_shaped_carries: the blocks below it are not read). `blocks` (a
+    Blocks): run as it runs the block (compiled where it compiles);
+    without, uncompiled."""
+    return _probe(model, weights, block, rows, length, backward=True, blocks=blocks)
 
 
 def probe_forward(model: nn.Module, weights, block: int, rows: int, length: int) -> int:
@@ -781,7 +791,7 @@ def probe_forward(model: nn.Module, weights, block: int, rows: int, length: int)
     return _probe(model, weights, block, rows, length, backward=False)
 
 
-def _probe(model: nn.Module, weights, block: int, rows: int, length: int, backward: bool) -> int:
+def _probe(model: nn.Module, weights, block: int, rows: int, length: int, backward: bool, blocks=None) -> int:
     mb = probe_batch(model, rows, length)
     link = None
     if mb.carries.takes(block):
@@ -798,12 +808,15 @@ def _probe(model: nn.Module, weights, block: int, rows: int, length: int, backwa
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         layer = model.layers[block]
-        with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
-            if backward:
-                out = block_vjp(layer, h, mb.calls[block], mx.ones_like(h), link)
-            else:
-                out = run_linked(layer, h, mb.calls[block], link)
-            mx.eval(out)
+        if backward and blocks is not None:  # (it draws from the key it is given)
+            out = blocks.vjp(block, h, mb.calls[block], mx.ones_like(h), dropout.fixed(layer), link)
+        else:
+            with keyed_dropout(layer, dropout.fixed(layer)):  # mlx-lm's key sequence untouched
+                if backward:
+                    out = block_vjp(layer, h, mb.calls[block], mx.ones_like(h), link)
+                else:
+                    out = run_linked(layer, h, mb.calls[block], link)
+        mx.eval(out)
         used = max(0, mx.get_peak_memory() - base)
         del out
     mx.reset_peak_memory()

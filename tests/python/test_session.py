@@ -395,3 +395,36 @@ def test_attention_runs_in_chunks_only_where_one_sequence_does_not_fit_whole(att
     assert seen[0].chunk == 0 and 0 < seen[1].chunk < 2048
     assert abs(big.test_loss - small.test_loss) <= 1e-5 * big.test_loss
     assert mx.fast.scaled_dot_product_attention is attention._original
+
+
+def test_kinds_whose_compiled_graph_takes_more_run_uncompiled(tmp_path):
+    """On the CPU backend mlx-lm's gated delta (Qwen3-Next's linear
+    attention) is a loop over the tokens, and mx.compile's graph of it
+    holds ~7x the uncompiled one's memory at 256 tokens (its square of the
+    length: 2.9 GB against 59 MB at 2,048 for a tiny block). The session
+    measures each kind of block both ways (session.compiled_over) and runs
+    those kinds uncompiled, the tail too; Qwen3-Next's full-attention
+    block, and every llama block, stay compiled."""
+    import mlx.core as mx
+
+    from mlx_pager import architectures as A
+    from mlx_pager import kinds
+    from mlx_pager import step as S
+    from mlx_pager.session import compiled_over
+
+    def check(arch):
+        path = A.build(arch, "fp32", tmp_path / "models")
+        model, w = A.paged(path, 4, "auto", str(tmp_path / f"{arch}-swap"))
+        w.pin_resident()
+        calls = S.record_calls(model, mx.zeros((1, 256), dtype=mx.int32))[1]
+        standing = kinds.represented(model, calls, range(4), [w.block_charge_bound(i) for i in range(4)])
+        blocks = S.Blocks(model, compile=True)
+        said = compiled_over(model, w, blocks, standing, 256)
+        return blocks, said
+
+    blocks, said = check("qwen3_next")
+    assert sorted(blocks.uncompiled) == [0, 1, 2], (blocks.uncompiled, said)
+    assert blocks.tail.uncompiled is not None
+    assert len(said) == 2 and all("run" in s and "uncompiled: compiled, block" in s for s in said), said
+    blocks, said = check("llama")
+    assert not blocks.uncompiled and blocks.tail.uncompiled is None and not said
