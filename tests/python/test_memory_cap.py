@@ -214,7 +214,8 @@ def test_a_large_vocabulary_trains_under_a_cap_its_whole_logits_do_not_fit(model
     )
 
 
-def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(attention_bound, tmp_path):
+@pytest.mark.parametrize("bound", ["attention_bound", "hybrid_bound"])
+def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(request, bound, tmp_path):
     """One sequence of ~2,000 tokens, 16 heads: one block's forward + vjp
     with its attention whole (MLX's CPU attention builds every head's
     2,048 x 2,048 scores, its gradient about 3x that) takes ~900 MB, so no
@@ -223,8 +224,14 @@ def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(at
     refuse it). Its attention now runs in chunks of query rows
     (attention.py): the run stays under a hard cap equal to its budget, and
     its adapters are mlx_lm.lora's on the same flags (uncapped) within
-    float32 rounding (the keys' gradients sum the chunks' shares)."""
-    model, data = attention_bound
+    float32 rounding (the keys' gradients sum the chunks' shares).
+
+    hybrid_bound: LFM2, whose convolution blocks take ~53 MB there, its
+    attention blocks ~865 MB. The session measured the first trained block
+    (a convolution) and planned every block from it: the run was killed in
+    its first step. It now measures one block of each kind (kinds.py) and
+    plans from the largest."""
+    model, data = request.getfixturevalue(bound)
     cap = 400 * 10**6
     args = ["--iters", "2", "--batch-size", "1", "--num-layers", "-1", "--max-seq-length", "2048"]
     args += ["--learning-rate", "1e-4"]
@@ -232,31 +239,9 @@ def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(at
     assert len(steps) == 2 and steps[0]["tokens"] > 1500, steps
     assert all(0 < s["attention_chunk"] < s["tokens"] for s in steps), steps
     print(
-        f"\n1 x {steps[0]['tokens']} tokens, 16 heads, under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
+        f"\n{bound}, 1 x {steps[0]['tokens']} tokens, under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
         f"attention in chunks of {steps[0]['attention_chunk']} queries, parts {[s['batch_parts'] for s in steps]}, "
         f"step {[round(s['step_s'], 1) for s in steps]}s"
-    )
-
-
-def test_a_hybrid_model_whose_first_trained_block_is_its_smallest_kind_trains_under_a_cap(hybrid_bound, tmp_path):
-    """LFM2's convolution blocks take ~53 MB for one 2,000-token sequence's
-    forward + vjp, its attention blocks ~865 MB. The session measured the
-    first trained block (a convolution) and planned every block from it:
-    under a 400 MB cap the run was killed in its first step. Now it
-    measures one block of each kind (kinds.py) and plans from the largest:
-    its attention runs in chunks, the run stays under a hard cap equal to
-    its budget, and its adapters are mlx_lm.lora's (uncapped) within
-    float32 rounding."""
-    model, data = hybrid_bound
-    cap = 400 * 10**6
-    args = ["--iters", "2", "--batch-size", "1", "--num-layers", "-1", "--max-seq-length", "2048"]
-    args += ["--learning-rate", "1e-4"]
-    steps, peak = train_capped_against_mlx_lm(model, data, tmp_path, cap, args, 1e-4)
-    assert len(steps) == 2 and steps[0]["tokens"] > 1500, steps
-    assert all(0 < s["attention_chunk"] < s["tokens"] for s in steps), steps
-    print(
-        f"\nLFM2, 1 x {steps[0]['tokens']} tokens, under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
-        f"attention in chunks of {steps[0]['attention_chunk']} queries"
     )
 
 
