@@ -75,12 +75,14 @@ def block_kinds(model: nn.Module, calls: Sequence, blocks: Sequence[int]) -> Lis
     the groups in the order of their first block. `calls`: each block's
     recorded ``(args, kwargs)`` (step.record_calls), indexed by block."""
     blocks = list(blocks)
-    settings = {i: _settings(model.layers[i]) for i in blocks}
+    # (a setting names the blocks where it does in the whole model: two
+    # trained blocks of an alternating 0 / 1 flag are no index)
+    settings = {i: _settings(layer) for i, layer in enumerate(model.layers)}
     naming = set()
     for n in set().union(*(s.keys() for s in settings.values())):
         # (an integer that is its block's index plus one offset, in every
         # block that has it, two or more: not a bool, which is an int too)
-        having = [(i, settings[i][n]) for i in blocks if n in settings[i]]
+        having = [(i, v[n]) for i, v in settings.items() if n in v]
         if len(having) >= 2 and all(type(v) is int for _, v in having) and len({v - i for i, v in having}) == 1:
             naming.add(n)
 

@@ -45,10 +45,12 @@ _PEAK_JITTER_MIN = 4 << 20
 # the batch's rows, where the room allows (open_session).
 WIDER_BLOCK_PROBES = 3
 # A kind of block runs uncompiled where compiled its forward + vjp takes
-# more than COMPILED_GROWTH times uncompiled on COMPILED_CHECK_TOKENS
-# tokens (compiled_over).
+# more than COMPILED_GROWTH times uncompiled on any of COMPILED_CHECK_TOKENS
+# tokens (compiled_over), or where the memory limit leaves no room for
+# COMPILED_PROBE_ROOM times the uncompiled one to measure it.
 COMPILED_GROWTH = 1.5
-COMPILED_CHECK_TOKENS = 256
+COMPILED_CHECK_TOKENS = (64, 256)
+COMPILED_PROBE_ROOM = 8
 
 
 def plan_slack() -> int:
@@ -150,6 +152,10 @@ class Session:
     # is put back on close.
     attention_chunk: int = 0
     attention_replaced: Optional[Callable] = None
+    # The blocks of the kind measured largest at start-up (kinds.py): a
+    # step's block measure replaces that one only where one of them was
+    # recomputed (replan).
+    largest_kind: List[int] = field(default_factory=list)
     # Steps in a row whose peak went over the budget, and whether the run
     # was told that its plan needs more than the budget (after_step).
     overs: int = 0
@@ -330,6 +336,12 @@ class Session:
         False when nothing fits (the placement stays: predictions err high,
         and the governor watches the steps; after_step acts on a measure)."""
         if probe:
+            recomputed = range(self.first_trained, self.placement.tail_start) if self.placement else range(0)
+            if "block" in probe and self.largest_kind and not any(b in recomputed for b in self.largest_kind):
+                # (the step measured only smaller kinds: a linear-attention
+                # block's vjp where the full-attention one, 8x at 4,096
+                # tokens, ran in the tail)
+                probe = {k: v for k, v in probe.items() if k != "block"}
             self.sizes.learn(probe)
             self.follow_pages()
         p = placement.choose(
@@ -666,33 +678,47 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
             mx.eval([d.m for d in doras])
 
 
-def compiled_over(model, weights, blocks: step.Blocks, standing: Dict[int, List[int]], seq_len: int) -> List[str]:
+def compiled_over(
+    model, weights, blocks: step.Blocks, standing: Dict[int, List[int]], seq_len: int, room: float
+) -> List[str]:
     """Runs uncompiled the kinds of blocks (`standing`: kinds.represented)
     whose forward + vjp compiled takes more than COMPILED_GROWTH times
-    uncompiled, measured on COMPILED_CHECK_TOKENS tokens (at most
-    `seq_len`): the plan is the uncompiled measure. On MLX's CPU backend
-    mlx-lm's linear-attention (gated delta) and Mamba blocks are loops
-    over the sequence, and compiled their memory grows with its square:
-    a tiny Qwen3-Next linear-attention block took 47 MB compiled against 7
-    uncompiled at 256 tokens, 2.9 GB against 59 MB at 2,048 (mlx_lm.lora
-    itself peaked at 4.3 GB there); a Mamba block 3.4x at 256. Other blocks
-    take about the same either way. Returns what it says, a line per kind."""
+    uncompiled, measured on COMPILED_CHECK_TOKENS (at most `seq_len`):
+    the plan is the uncompiled measure. On MLX's CPU backend mlx-lm's
+    linear-attention (gated delta) and Mamba blocks are loops over the
+    sequence, and compiled their memory grows with its square: a tiny
+    Qwen3-Next linear-attention block took 2.0 / 3.4 / 6.6x its
+    uncompiled memory at 64 / 128 / 256 tokens, and 2.9 GB against 59 MB at
+    2,048 (mlx_lm.lora itself peaked at 4.3 GB there); a Mamba block 3.4x at
+    256. Other kinds take about the same either way. Each length is tried in
+    turn, the next only where the last stayed under; a compiled probe runs
+    only where `room` (what the memory limit leaves) holds
+    COMPILED_PROBE_ROOM times the uncompiled one, else the kind runs
+    uncompiled. Returns what it says, a line per kind."""
     said = []
-    n = min(seq_len, COMPILED_CHECK_TOKENS)
+    lengths = sorted({min(seq_len, n) for n in COMPILED_CHECK_TOKENS})
     for block, kind in standing.items():
-        try:
-            plain = step.probe_block(model, weights, block, 1, n)
-            compiled = step.probe_block(model, weights, block, 1, n, blocks=blocks)
-        except Exception:  # (the step says what fails)
-            continue
-        if compiled > COMPILED_GROWTH * plain + (1 << 20):
-            why = (
-                f"compiled, block {block}'s forward + vjp took {format_size(compiled)} on {n} tokens, "
-                f"{format_size(plain)} uncompiled"
-            )
+        why = None
+        for n in lengths:
+            try:
+                plain = step.probe_block(model, weights, block, 1, n)
+                if plain * COMPILED_PROBE_ROOM > room:
+                    why = f"no room to measure block {block} compiled on {n} tokens"
+                    break
+                compiled = step.probe_block(model, weights, block, 1, n, blocks=blocks)
+            except Exception:  # (the step says what fails)
+                break
+            if compiled > COMPILED_GROWTH * plain + (1 << 20):
+                why = (
+                    f"compiled, block {block}'s forward + vjp took {format_size(compiled)} on {n} tokens, "
+                    f"{format_size(plain)} uncompiled"
+                )
+                break
+        if why is not None:
             blocks.run_uncompiled(kind, why)
             which = f"Blocks {', '.join(map(str, kind))} run" if len(kind) > 1 else f"Block {kind[0]} runs"
             said.append(f"{which} uncompiled: {why}.")
+        weights.pager.evict_all()  # (its page: nothing evicts yet)
     blocks.drop_compiled()  # (the checks' shapes)
     release_heap()
     return said
@@ -933,6 +959,7 @@ def _open_session(
     # largest measure, and `probed` is the block that gave it.
     probed = first if training else max(range(L), key=lambda i: shape.footprints[i], default=0)
     measured_blocks, standing = [probed], {}  # (standing: each measured block's kind, kinds.represented)
+    took_most: dict = {}  # chunk -> the measured block that took the most with it (block_probe)
 
     def block_fits(sizes, used: int) -> bool:
         """Whether the least placement fits the budget with one block
@@ -953,7 +980,6 @@ def _open_session(
         def formula(n):
             return estimate_sizes(config, n, act_itemsize, head_cap, largest, chunk).block(1, n)
 
-        nonlocal probed
         length = seq_len
         while length > attention.MIN_ATTENTION_CHUNK and formula(length) > probe_room:
             length //= 2
@@ -964,9 +990,13 @@ def _open_session(
                 if length < seq_len:
                     predicted = int(used * formula(seq_len) / formula(length))
                     used = predicted if predicted > probe_room else probe(model, weights, block, 1, seq_len)
+            if len(measured_blocks) > 1:
+                # (nothing evicts before the governor sets the page budget:
+                # each kind's page would stay beside the next one's probe)
+                weights.pager.evict_all()
             release_heap()
             if used > most:
-                most, probed = used, block
+                most, took_most[chunk] = used, block
         return most
 
     attention_chunk, attention_replaced = 0, None
@@ -1018,6 +1048,8 @@ def _open_session(
             if attention_chunk:
                 attention_replaced = attention.route(attention_chunk)
                 sizes = fresh_sizes(attention_chunk)
+        if used is not None:
+            probed = took_most.get(attention_chunk, probed)  # (the kind that took the most as it runs)
         if used is not None and training:
             measure_blocks(sizes, used)
         elif used is not None:
@@ -1148,7 +1180,7 @@ def _open_session(
     blocks = step.Blocks(model, compile=uncompiled_tail is None, compile_tail=uncompiled_tail is None)
     gov.drop_stale_graphs = blocks.drop_stale
     if training and blocks.compile:
-        for names in compiled_over(model, weights, blocks, standing, seq_len):
+        for names in compiled_over(model, weights, blocks, standing, seq_len, room_for_probes()):
             say(names)
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)
@@ -1170,6 +1202,7 @@ def _open_session(
         outside_base=outside_base,
         attention_chunk=attention_chunk,
         attention_replaced=attention_replaced,
+        largest_kind=list(standing.get(probed, [])) if len(standing) > 1 else [],
     )
     session.place(first_placement or least)
     if not training:

@@ -49,7 +49,8 @@ def test_a_setting_that_names_each_block_does_not_split_them(arch_root):
     """mamba2's blocks differ only in layer_idx, their index: a name, not a
     kind. An integer setting that is not the index plus one offset is a kind
     (a window of 16 in block 1, 32 in block 3), and so is a bool that would
-    be (False in block 0, True in block 1)."""
+    be (False in block 0, True in block 1), and so is one that looks like
+    an index on the blocks compared but not on the model's."""
     model, calls, _ = loaded(arch_root, "mamba2")
     named = [m for l in model.layers for _, m in l.named_modules() if "layer_idx" in vars(m)]
     assert [m.layer_idx for m in named] == [0, 1, 2, 3]
@@ -62,6 +63,11 @@ def test_a_setting_that_names_each_block_does_not_split_them(arch_root):
         for m, v in zip(named, [False, True, True, True]):
             m.window = v
         assert kinds.block_kinds(model, calls, range(4)) == [[0], [1, 2, 3]]
+        # (whether a setting names the blocks is judged on the whole model:
+        # two of an alternating 0 / 1 flag's blocks look like an index)
+        for m, v in zip(named, [0, 1, 0, 1]):
+            m.window = v
+        assert kinds.block_kinds(model, calls, range(2, 4)) == [[2], [3]]
     finally:
         for m in named:
             del m.window

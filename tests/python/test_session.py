@@ -419,7 +419,7 @@ def test_kinds_whose_compiled_graph_takes_more_run_uncompiled(tmp_path):
         calls = S.record_calls(model, mx.zeros((1, 256), dtype=mx.int32))[1]
         standing = kinds.represented(model, calls, range(4), [w.block_charge_bound(i) for i in range(4)])
         blocks = S.Blocks(model, compile=True)
-        said = compiled_over(model, w, blocks, standing, 256)
+        said = compiled_over(model, w, blocks, standing, 256, float("inf"))
         return blocks, said
 
     blocks, said = check("qwen3_next")
@@ -428,3 +428,13 @@ def test_kinds_whose_compiled_graph_takes_more_run_uncompiled(tmp_path):
     assert len(said) == 2 and all("run" in s and "uncompiled: compiled, block" in s for s in said), said
     blocks, said = check("llama")
     assert not blocks.uncompiled and blocks.tail.uncompiled is None and not said
+    # With no room for a compiled probe beside the uncompiled one, a kind
+    # runs uncompiled.
+    path = A.build("llama", "fp32", tmp_path / "models")
+    model, w = A.paged(path, 4, "auto", str(tmp_path / "llama-swap2"))
+    w.pin_resident()
+    calls = S.record_calls(model, mx.zeros((1, 64), dtype=mx.int32))[1]
+    standing = kinds.represented(model, calls, range(4), [w.block_charge_bound(i) for i in range(4)])
+    blocks = S.Blocks(model, compile=True)
+    said = compiled_over(model, w, blocks, standing, 64, 1e6)
+    assert sorted(blocks.uncompiled) == [0, 1, 2, 3] and "no room" in said[0], said
