@@ -336,13 +336,8 @@ class Session:
         False when nothing fits (the placement stays: predictions err high,
         and the governor watches the steps; after_step acts on a measure)."""
         if probe:
-            recomputed = range(self.first_trained, self.placement.tail_start) if self.placement else range(0)
-            if "block" in probe and self.largest_kind and not any(b in recomputed for b in self.largest_kind):
-                # (the step measured only smaller kinds: a linear-attention
-                # block's vjp where the full-attention one, 8x at 4,096
-                # tokens, ran in the tail)
-                probe = {k: v for k, v in probe.items() if k != "block"}
-            self.sizes.learn(probe)
+            tail_start = self.placement.tail_start if self.placement is not None else self.first_trained
+            self.sizes.learn(kept_measures(probe, range(self.first_trained, tail_start), self.largest_kind))
             self.follow_pages()
         p = placement.choose(
             self.shape,
@@ -676,6 +671,17 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
             for d in doras:
                 d.m = mx.linalg.norm(d._dequantized_weight().astype(mx.float32), axis=1)
             mx.eval([d.m for d in doras])
+
+
+def kept_measures(probe: dict, recomputed: range, largest_kind: List[int]) -> dict:
+    """What of a step's measures (`probe`) the plan learns: all, but its
+    block measure only where a block of the largest kind measured at
+    start-up (`largest_kind`; empty: one kind) was among the `recomputed`
+    blocks it is the largest of (a linear-attention block's vjp, where the
+    full-attention one, 8x it at 4,096 tokens, ran in the tail)."""
+    if "block" in probe and largest_kind and not any(b in recomputed for b in largest_kind):
+        return {k: v for k, v in probe.items() if k != "block"}
+    return probe
 
 
 def compiled_over(

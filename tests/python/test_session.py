@@ -438,3 +438,16 @@ def test_kinds_whose_compiled_graph_takes_more_run_uncompiled(tmp_path):
     blocks = S.Blocks(model, compile=True)
     said = compiled_over(model, w, blocks, standing, 64, 1e6)
     assert sorted(blocks.uncompiled) == [0, 1, 2, 3] and "no room" in said[0], said
+
+
+def test_a_step_s_block_measure_counts_only_where_the_largest_kind_was_recomputed():
+    """A hybrid model's step measures its recomputed blocks; where the
+    largest kind (start-up: kinds.py) ran only in the tail, its measure is
+    a smaller kind's and must not replace the start-up one."""
+    from mlx_pager.session import kept_measures
+
+    probe = {"block": (10, 1, 64), "tail": (50, 2, 1, 64)}
+    assert kept_measures(probe, range(0, 2), [3]) == {"tail": (50, 2, 1, 64)}
+    assert kept_measures(probe, range(0, 4), [3]) == probe
+    assert kept_measures(probe, range(0, 2), []) == probe  # (one kind)
+    assert kept_measures({"tail": (50, 2, 1, 64)}, range(0, 2), [3]) == {"tail": (50, 2, 1, 64)}
