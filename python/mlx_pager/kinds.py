@@ -19,8 +19,8 @@ mask against "causal"), and the same scalar settings in every submodule
 setting that is its block's index plus one offset in every block that has
 it (``layer_idx``) names the block, not its kind, and is left out.
 
-`representatives` gives one block of each kind to measure, the plan then
-takes the largest measure. Where the blocks fall into more than
+`represented` gives one block of each kind to measure (with the blocks it
+stands for), the plan then takes the largest measure. Where the blocks fall into more than
 MAX_KINDS kinds (OpenELM's heads and widths grow with depth), they are
 grouped by class and call alone, and each group is measured on its block
 with the most bytes.
@@ -110,11 +110,6 @@ def represented(
     if len(out) > MAX_KINDS:
         out = dict(sorted(out.items(), key=lambda kv: (footprints[kv[0]], -kv[0]), reverse=True)[:MAX_KINDS])
     return dict(sorted(out.items()))
-
-
-def representatives(model: nn.Module, calls: Sequence, blocks: Sequence[int], footprints: Sequence[int]) -> List[int]:
-    """The blocks `represented` measures, in order."""
-    return list(represented(model, calls, blocks, footprints))
 
 
 def _coarse(model: nn.Module, calls: Sequence, i: int) -> Tuple:

@@ -121,7 +121,7 @@ def test_architecture_s_attention_in_chunks_is_its_attention(arch_root, model_ty
 @pytest.mark.parametrize("model_type", [mt for mt in A.model_types() if A.RECORDED.get(mt, {}).get("fp32") == "pass"])
 def test_architecture_s_largest_block_is_among_the_kinds_measured(arch_root, model_type):
     """Whichever block training starts from, the blocks the session measures
-    before the first step (kinds.representatives: one of each kind above
+    before the first step (kinds.represented: one of each kind above
     it) include one whose forward + vjp is within 20% of the largest above
     it (128 tokens, float32; each block measured twice after a first probe,
     the lower kept: same-kind blocks differ by up to ~15% from run to run
@@ -142,7 +142,7 @@ def test_architecture_s_largest_block_is_among_the_kinds_measured(arch_root, mod
     took = [min(S.probe_block(model, w, i, 1, 128) for _ in range(2)) for i in range(L)]
     mx.clear_cache()
     for first in range(L):
-        measured = kinds.representatives(model, calls, range(first, L), footprints)
+        measured = list(kinds.represented(model, calls, range(first, L), footprints))
         assert max(took[i] for i in measured) >= 0.8 * max(took[first:]), (first, measured, took)
 
 

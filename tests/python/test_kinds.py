@@ -26,9 +26,9 @@ def test_a_model_of_one_kind_is_measured_on_one_block(arch_root):
     model, calls, _ = loaded(arch_root, "llama")
     assert kinds.block_kinds(model, calls, range(4)) == [[0, 1, 2, 3]]
     # (ties on bytes: the lowest block, the first trained one)
-    assert kinds.representatives(model, calls, range(1, 4), [10] * 4) == [1]
-    assert kinds.representatives(model, calls, range(4), [10, 10, 12, 10]) == [2]
-    assert kinds.representatives(model, calls, [], [10] * 4) == []
+    assert list(kinds.represented(model, calls, range(1, 4), [10] * 4)) == [1]
+    assert list(kinds.represented(model, calls, range(4), [10, 10, 12, 10])) == [2]
+    assert list(kinds.represented(model, calls, [], [10] * 4)) == []
 
 
 @pytest.mark.parametrize(
@@ -78,10 +78,10 @@ def test_more_kinds_than_the_most_are_grouped_by_class_and_call(arch_root, monke
     Past MAX_KINDS, one block per class and call: the one with most bytes."""
     model, calls, footprints = loaded(arch_root, "openelm")
     assert kinds.block_kinds(model, calls, range(4)) == [[0], [1], [2], [3]]
-    assert kinds.representatives(model, calls, range(4), footprints) == [0, 1, 2, 3]
+    assert list(kinds.represented(model, calls, range(4), footprints)) == [0, 1, 2, 3]
     monkeypatch.setattr(kinds, "MAX_KINDS", 2)
     assert footprints[3] == max(footprints)
-    assert kinds.representatives(model, calls, range(4), footprints) == [3]
+    assert list(kinds.represented(model, calls, range(4), footprints)) == [3]
 
 
 def test_a_call_s_signature_is_its_arrays_shapes_and_its_other_arguments():

@@ -412,14 +412,14 @@ def test_kinds_whose_compiled_graph_takes_more_run_uncompiled(tmp_path):
     from mlx_pager import step as S
     from mlx_pager.session import compiled_over
 
-    def check(arch):
+    def check(arch, length=256, room=float("inf")):
         path = A.build(arch, "fp32", tmp_path / "models")
-        model, w = A.paged(path, 4, "auto", str(tmp_path / f"{arch}-swap"))
+        model, w = A.paged(path, 4, "auto", str(tmp_path / f"{arch}-{length}-swap"))
         w.pin_resident()
-        calls = S.record_calls(model, mx.zeros((1, 256), dtype=mx.int32))[1]
+        calls = S.record_calls(model, mx.zeros((1, length), dtype=mx.int32))[1]
         standing = kinds.represented(model, calls, range(4), [w.block_charge_bound(i) for i in range(4)])
         blocks = S.Blocks(model, compile=True)
-        said = compiled_over(model, w, blocks, standing, 256, float("inf"))
+        said = compiled_over(model, w, blocks, standing, length, room)
         return blocks, said
 
     blocks, said = check("qwen3_next")
@@ -430,13 +430,7 @@ def test_kinds_whose_compiled_graph_takes_more_run_uncompiled(tmp_path):
     assert not blocks.uncompiled and blocks.tail.uncompiled is None and not said
     # With no room for a compiled probe beside the uncompiled one, a kind
     # runs uncompiled.
-    path = A.build("llama", "fp32", tmp_path / "models")
-    model, w = A.paged(path, 4, "auto", str(tmp_path / "llama-swap2"))
-    w.pin_resident()
-    calls = S.record_calls(model, mx.zeros((1, 64), dtype=mx.int32))[1]
-    standing = kinds.represented(model, calls, range(4), [w.block_charge_bound(i) for i in range(4)])
-    blocks = S.Blocks(model, compile=True)
-    said = compiled_over(model, w, blocks, standing, 64, 1e6)
+    blocks, said = check("llama", 64, 1e6)
     assert sorted(blocks.uncompiled) == [0, 1, 2, 3] and "no room" in said[0], said
 
 
