@@ -58,10 +58,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import carry, step
+from . import carry, heap, step
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, baseline_spread, format_size, parse_size
 from .checks import check_backend_ops, check_blocks_unpatched, check_budget_fits, check_pageable, load_tokenizer
-from .governor import Governor, process_rss, return_freed_memory_to_os
+from .governor import Governor, process_rss
 from .layers import BlockList
 from .memlimit import budget_named, budget_or_default, raise_advice
 from .session import model_path_of, plan_slack
@@ -333,7 +333,7 @@ class PagedModel:
         """MLX's cache of freed buffers: where nothing is paged, room for the
         prompt chunk's working set, which the plan holds for it anyway. On the
         CPU backend every op's output is a malloc, and the trainer's
-        M_MMAP_THRESHOLD (governor.return_freed_memory_to_os) makes each one
+        M_MMAP_THRESHOLD (heap.serve_large_by_mmap) makes each one
         not cached a fresh mapping: a prompt chunk ran at ~0.87x mlx-lm's speed
         with the default 32 MB (the governor's 48 MB), at mlx-lm's with this.
         Where pages stream, the governor's small cache: freed page frames
@@ -521,7 +521,7 @@ def load_paged(
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load_model
 
-    return_freed_memory_to_os()
+    heap.serve_large_by_mmap()
     budget = budget_or_default(memory_budget)
     if memory_budget is not None:
         check_budget_fits(budget)

@@ -46,7 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import carry, dropout
+from . import carry, dropout, heap
 from .carry import Carries
 from .compiled import KEEP_SHAPES, CompiledShapes
 from .layers import BlockList, NotPageable, architecture
@@ -776,8 +776,10 @@ class Blocks:
 def probe_block(model: nn.Module, weights, block: int, rows: int, length: int, blocks=None) -> int:
     """MLX's peak memory for block `block`'s forward + vector-Jacobian
     product on a micro-batch of `rows` x `length` tokens (over the memory
-    active before it): what the placement planner needs before the first
-    step, measured rather than guessed. The block's page is read for it.
+    active before it), and the C heap its graph held once built (graph
+    nodes: heap.py, per token in a block that loops over them): what the
+    placement planner needs before the first step, measured rather than
+    guessed. The block's page is read for it.
     A block that takes carries (carry.py) takes zeros of their shapes
     (_shaped_carries: the blocks below it are not read). `blocks` (a
     Blocks): run as it runs the block (compiled where it compiles);
@@ -806,6 +808,7 @@ def _probe(model: nn.Module, weights, block: int, rows: int, length: int, backwa
     with weights.bound(block):
         mx.eval(h)
         base = mx.get_active_memory()
+        heap_start = heap.in_use()
         mx.reset_peak_memory()
         layer = model.layers[block]
         if backward and blocks is not None:  # (it draws from the key it is given)
@@ -816,8 +819,9 @@ def _probe(model: nn.Module, weights, block: int, rows: int, length: int, backwa
                     out = block_vjp(layer, h, mb.calls[block], mx.ones_like(h), link)
                 else:
                     out = run_linked(layer, h, mb.calls[block], link)
+        graph = heap.grown_since(heap_start)  # built, not yet run (heap.py)
         mx.eval(out)
-        used = max(0, mx.get_peak_memory() - base)
+        used = max(0, mx.get_peak_memory() - base) + graph
         del out
     mx.reset_peak_memory()
     return used
@@ -1036,6 +1040,8 @@ def paged_value_and_grad(
                 link = carry.link(carries, i, extras[m])
                 out.append(carry.kept(blocks.forward(i, h, mb.calls[i], keys[i][m], link), link, extras[m]))
                 drop()
+                if base is not None:
+                    base.built()
                 mx.eval(out[-1], carry.kept_arrays(link, extras[m]))
                 if base is not None:
                     # One forward block's working set, less the pages read
@@ -1084,6 +1090,8 @@ def paged_value_and_grad(
                 )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
+                if base is not None:
+                    base.built()
                 mx.eval(loss, tail_grads, [] if g_h is None else g_h)
                 if base is not None:
                     # The pages the tail read and kept are pages, not its
@@ -1125,6 +1133,7 @@ def paged_value_and_grad(
                 extra = [g for k in (link.keep if link else ()) for g in pending[m].pop((i, k))]
                 g_h, g_p, g_c = blocks.vjp(i, h, mb.calls[i], cots[m], keys[i][m], link, extra)
                 if base is not None:
+                    base.built()
                     mx.eval(g_h, g_p)
                     took = _measure_end(probe, base)
                     if took >= probe.get("block", (-1,))[0]:
@@ -1202,9 +1211,27 @@ def _resume_gc() -> None:
         gc.enable()
 
 
-def _measure_start(probe: Optional[dict]) -> Optional[int]:
-    """Starts measuring a peak: MLX's active memory now (None: no probe).
-    The step's peak so far is kept in probe["peak"] before the reset.
+@dataclass
+class _Window:
+    """One measured stretch of a step (_measure_start): MLX's active memory
+    at its start, and the C heap's bytes in use (heap.py), then what the
+    stretch's lazy graph held there once built (built())."""
+
+    mlx: int
+    heap_start: Optional[int]
+    graph: int = 0
+
+    def built(self) -> None:
+        """The stretch's graph is built, not yet run: what it holds in the
+        heap (graph nodes; per token where a block loops over them), which
+        MLX's peak does not count, is taken now."""
+        self.graph = heap.grown_since(self.heap_start)
+
+
+def _measure_start(probe: Optional[dict]) -> Optional[_Window]:
+    """Starts measuring a peak: MLX's active memory now and the heap's
+    (None: no probe). The step's peak so far is kept in probe["peak"]
+    before the reset.
 
     Python's cycle collector waits until _measure_end: arrays it frees
     inside the window (cyclic garbage that holds them: an earlier model's
@@ -1220,14 +1247,16 @@ def _measure_start(probe: Optional[dict]) -> Optional[int]:
         _GC_PAUSED = True
     probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
     mx.reset_peak_memory()
-    return mx.get_active_memory()
+    return _Window(mx.get_active_memory(), heap.in_use())
 
 
-def _measure_end(probe: dict, base: int) -> int:
+def _measure_end(probe: dict, window: _Window) -> int:
+    """MLX's peak over the window's start, plus the heap its graph held
+    (window.built(), where it was called before the graph ran)."""
     peak = mx.get_peak_memory()
     _resume_gc()
     probe["peak"] = max(probe.get("peak", 0), peak)
-    return max(0, peak - base)
+    return max(0, peak - window.mlx) + window.graph
 
 
 def prefix_forward(

@@ -30,10 +30,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import blas, checks, dropout, files, interrupt, loop, memlimit, resume
+from . import blas, checks, dropout, files, heap, interrupt, loop, memlimit, resume
 from .budget import MemoryPlan, format_size
 from .callbacks import Callbacks, ConsoleReport, JsonReport, PagerCallback
-from .governor import return_freed_memory_to_os
 from .session import load_lazy, open_session
 
 # mlx_lm.lora's defaults, plus mlx-pager's own options.
@@ -290,7 +289,7 @@ def run(args, training_callback: Optional[PagerCallback] = None) -> TrainResult:
     args = types.SimpleNamespace(**vars(args))  # the caller's stays as given
     checks.check_args(args)
     blas.warn_once()
-    return_freed_memory_to_os()  # before the first large allocation
+    heap.serve_large_by_mmap()  # before the first large allocation
     np.random.seed(args.seed)
     world = mx.distributed.init()  # one rank unless started by mlx.launch
     if world.size() > 1:
