@@ -245,6 +245,35 @@ def test_a_sequence_whose_attention_does_not_fit_whole_trains_in_query_chunks(re
     )
 
 
+def test_a_model_that_loops_over_its_tokens_trains_under_a_cap(tmp_path):
+    """Qwen3-Next's linear attention (gated delta) is a Python loop over the
+    tokens off Metal: at ~2,000 tokens a block's forward + vjp graph holds
+    ~110 MB of nodes in the C heap beside ~60 MB of MLX's buffers, and
+    freed, those nodes stay resident until the heap is trimmed. The plan
+    counted MLX's buffers alone, and the heap the linear-attention blocks'
+    backward left stacked under the next step's full-attention tail: under
+    a hard 400 MB cap, the run was killed in its second step. The probes
+    now count the graph (heap.py, step.py) and the governor gives the heap
+    back between blocks (the next step's peaks: 470 -> ~325 MB); the run
+    stays under the cap, its adapters mlx_lm.lora's on the same flags
+    (uncapped: it peaks at ~4.3 GB) within float32 rounding."""
+    from conftest import long_records
+
+    from mlx_pager import architectures as A
+
+    model = A.build("qwen3_next", "fp32", tmp_path / "models")
+    cap = 400 * 10**6
+    args = ["--iters", "3", "--batch-size", "1", "--num-layers", "-1", "--max-seq-length", "2048"]
+    args += ["--learning-rate", "1e-4"]
+    steps, peak = train_capped_against_mlx_lm(model, long_records(tmp_path), tmp_path, cap, args, 1e-4)
+    assert len(steps) == 3 and steps[0]["tokens"] > 1500, steps
+    print(
+        f"\nQwen3-Next, 1 x {steps[0]['tokens']} tokens under a {cap / 1e6:.0f}MB cap: cgroup peak {peak / 1e6:.0f}MB, "
+        f"step peaks {[round(s['step_peak_rss_bytes'] / 1e6) for s in steps]}MB, "
+        f"step {[round(s['step_s'], 1) for s in steps]}s"
+    )
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_large_adapters_train_under_a_cap_at_the_least_budget_named(models, tmp_path, accumulate):
     """LoRA of rank 512 on every projection of 4 blocks of width 1024: 153
