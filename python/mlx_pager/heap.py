@@ -72,13 +72,30 @@ def _load():
     return None, None
 
 
+def _glibc_allocates(libc) -> bool:
+    """Whether malloc is glibc's own: another allocator put first (ASan's,
+    tcmalloc, jemalloc by LD_PRELOAD) leaves glibc's counts still, and
+    they would count nothing."""
+    first = ctypes.CDLL(None)  # the process's malloc: the first loaded, as MLX's calls resolve
+    first.malloc.restype = ctypes.c_void_p
+    first.free.argtypes = [ctypes.c_void_p]
+    before = libc.mallinfo2().uordblks
+    chunks = [first.malloc(4096) for _ in range(64)]
+    grown = libc.mallinfo2().uordblks - before
+    for c in chunks:
+        first.free(c)
+    return grown >= 64 * 4096
+
+
 _LIBC, _KIND = _load()
+if _KIND == "glibc" and not _glibc_allocates(_LIBC):
+    _KIND = None
 
 
 def in_use() -> Optional[int]:
     """Bytes the heap has handed out and not had back (large allocations
     mapped apart excluded on glibc: MLX's buffers are those); None where the
-    allocator does not say. Costs a walk of the heap's free lists (glibc:
+    allocator does not say (not glibc's or macOS's, e.g. ASan's). Costs a walk of the heap's free lists (glibc:
     ~2 ms after a 100 MB graph, microseconds after an ordinary block's)."""
     if _KIND == "glibc":
         return int(_LIBC.mallinfo2().uordblks)
