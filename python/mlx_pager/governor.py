@@ -40,7 +40,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -167,12 +167,13 @@ class Governor:
         """A rung taken by the loop (a new placement, a stop)."""
         self._rung(rung, process_rss(), what, **info)
 
-    def _outside(self, rss: int) -> int:
-        """Of `rss`, what neither MLX's buffers nor the pager's page pool
-        (mlx_frames.h: pages outside MLX's counts) hold."""
+    def _outside(self, rss: int) -> Tuple[int, bool]:
+        """(of `rss`, what neither MLX's buffers nor the pager's page pool
+        (mlx_frames.h: pages outside MLX's counts) hold; whether a read is
+        in flight: MLX counts its frame whole, resident only as it lands)."""
         stats = getattr(self.pager, "stats", None)
-        pooled = stats().get("pool_bytes", 0) if stats is not None else 0
-        return outside_mlx(rss) - pooled
+        st = stats() if stats is not None else {}
+        return outside_mlx(rss) - st.get("pool_bytes", 0), st.get("in_flight_bytes", 0) > 0
 
     def _trim_heap(self, rss: int) -> int:
         """Gives the heap back (release_heap: MLX's cache, then heap.trim)
@@ -185,28 +186,32 @@ class Governor:
         keep their pages resident (a Qwen3-Next step at 2,048 tokens: the
         heap alone gave back 26-47 MB, with the cache's 51-70 MB 155 MB).
 
-        The free heap is asked because the outside memory also looks grown
-        where MLX counts a page frame the pager has not read into yet (it is
-        resident only as the read lands): the demo looked grown at ~90 of
-        163 checks, with 2-4 MB of free heap, and trims none. A trim costs
+        A frame MLX counts before the pager's read lands in it makes the
+        outside memory look lower: the floor is not lowered while a read is
+        in flight, or the next check would look grown (the demo did at ~90
+        of 163 checks). The free heap is asked too (the demo: 2-4 MB, no
+        trims). It stays high once a large graph was freed (glibc's trim
+        gives the pages back but keeps the chunks in its free lists), so it
+        is a filter for ordinary models, not a measure. A trim costs
         ~0.6 ms a MB given back (~60 ms after a linear-attention block whose
         vjp ran ~2 s) and the cache's buffers made anew; memory that stays
         (Python objects, compiled graphs) becomes the new floor, not trimmed
         for again. Returns the RSS after."""
-        outside = self._outside(rss)
-        if self._outside_floor is None or outside < self._outside_floor:
+        outside, reading = self._outside(rss)
+        if self._outside_floor is None or (outside < self._outside_floor and not reading):
             self._outside_floor = outside
         elif outside - self._outside_floor > self.margin // 2 and (heap.free() or 0) > self.margin // 2:
             release_heap()
             rss = process_rss()
-            self._outside_floor = self._outside(rss)
+            self._outside_floor = self._outside(rss)[0]
         return rss
 
     def check(self) -> None:
         """Call between blocks. Degrades when the process is near its budget;
         raises MemoryPressure when the pages cannot give back enough."""
-        rss = self._trim_heap(process_rss())
+        rss = process_rss()
         self.peak_rss = max(self.peak_rss, rss)
+        rss = self._trim_heap(rss)
         limit = self.plan.budget - self.margin
         if rss <= limit:
             return

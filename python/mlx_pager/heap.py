@@ -88,15 +88,17 @@ def _glibc_allocates(libc) -> bool:
 
 
 _LIBC, _KIND = _load()
-if _KIND == "glibc" and not _glibc_allocates(_LIBC):
+if _KIND == "glibc" and not (_glibc_allocates(_LIBC) or _glibc_allocates(_LIBC)):  # (twice: another thread's frees)
     _KIND = None
 
 
 def in_use() -> Optional[int]:
-    """Bytes the heap has handed out and not had back (large allocations
-    mapped apart excluded on glibc: MLX's buffers are those); None where the
-    allocator does not say (not glibc's or macOS's, e.g. ASan's). Costs a walk of the heap's free lists (glibc:
-    ~2 ms after a 100 MB graph, microseconds after an ordinary block's)."""
+    """Bytes the heap has handed out and not had back; None where the
+    allocator does not say (not glibc's or macOS's, e.g. ASan's). On glibc,
+    large allocations mapped apart are not in it (MLX's buffers), once
+    serve_large_by_mmap has run, as the trainer and generate do first.
+    Costs a walk of the heap's free lists (glibc: ~2 ms after a 100 MB
+    graph, microseconds after an ordinary block's)."""
     if _KIND == "glibc":
         return int(_LIBC.mallinfo2().uordblks)
     if _KIND == "darwin":
@@ -136,8 +138,10 @@ def trim() -> None:
         return
     try:
         if sys.platform.startswith("linux"):
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
             _LIBC.malloc_trim(0)
         elif sys.platform == "darwin":
+            _LIBC.malloc_zone_pressure_relief.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             _LIBC.malloc_zone_pressure_relief(None, 0)
     except AttributeError:
         pass  # (not glibc)

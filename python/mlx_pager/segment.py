@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import carry, dropout, step
+from . import carry, dropout, heap, step
 from .compiled import CompiledShapes
 
 
@@ -194,7 +194,8 @@ class Tail:
 def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, chunk_bytes: int) -> int:
     """MLX's peak memory for the tail start..L-1's vector-Jacobian product
     (streamed, stream.py) on a micro-batch of `rows` x `length` tokens, over
-    the memory active before it: the no-recompute placement's working set,
+    the memory active before it, and the C heap its graph held once built
+    (heap.py): the no-recompute placement's working set,
     measured before the first step, less the pages it read and kept (the
     plan counts pages apart). The pager's budget is two blocks' pages (beyond what
     it holds now) for the duration: what a tight budget would stream."""
@@ -214,14 +215,16 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
             pager.drop_kept_frame()
             base = mx.get_active_memory()
             resident = pager.stats()["resident_bytes"]
+            heap_start = heap.in_use()
             mx.reset_peak_memory()
             # dropout from keys of its own: mlx-lm's key sequence untouched
             keys = [dropout.fixed(layer) for layer in model.layers]
             loss, g_h, g_blocks = tail_value_and_grad(model, start, mb, h, keys, chunk_bytes, st)
+            graph = heap.grown_since(heap_start)  # built, not yet run (heap.py)
             mx.eval(loss, g_blocks, [] if g_h is None else g_h)
             # less the pages it read and kept: the plan counts pages apart
             read = max(0, pager.stats()["resident_bytes"] - resident)
-            used = max(0, mx.get_peak_memory() - base - read - pager.kept_frame_bytes())
+            used = max(0, mx.get_peak_memory() - base - read - pager.kept_frame_bytes()) + graph
             del loss, g_h, g_blocks
     finally:
         pager.set_budget(old)

@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import pytest
+from test_heap import fragmented_free_heap, free_all, glibc_only
 
 from mlx_pager import heap
 from mlx_pager.budget import MemoryPlan, format_size
@@ -83,12 +84,11 @@ def test_quiet_when_under_budget():
     assert gov.events == [] and pager.budget == p.page_budget
 
 
-@pytest.mark.skipif(heap.free() is None, reason="an allocator that says what it holds free")
+@glibc_only
 def test_gives_back_the_heap_a_graph_left():
     """Between blocks, free heap a graph left resident (heap.py; here 64 MB
     of 1 KB allocations freed among live ones) goes back to the OS, with no
     rung taken: the process is far under its budget."""
-    from test_heap import fragmented_free_heap, free_all
 
     p = plan(budget=process_rss() + (2 << 30), page_budget=256 << 20)
     pager = FakePager()
