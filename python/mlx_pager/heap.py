@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 
 class _Mallinfo2(ctypes.Structure):  # glibc >= 2.33, <malloc.h>
@@ -92,6 +92,19 @@ if _KIND == "glibc" and not (_glibc_allocates(_LIBC) or _glibc_allocates(_LIBC))
     _KIND = None
 
 
+def _counts() -> Optional[Tuple[int, int]]:
+    """(bytes in use, bytes held free), or None where the allocator does
+    not say."""
+    if _KIND == "glibc":
+        info = _LIBC.mallinfo2()
+        return int(info.uordblks), int(info.fordblks)
+    if _KIND == "darwin":
+        stats = _MallocStatistics()
+        _LIBC.malloc_zone_statistics(None, ctypes.byref(stats))
+        return int(stats.size_in_use), int(stats.size_allocated - stats.size_in_use)
+    return None
+
+
 def in_use() -> Optional[int]:
     """Bytes the heap has handed out and not had back; None where the
     allocator does not say (not glibc's or macOS's, e.g. ASan's). On glibc,
@@ -99,26 +112,16 @@ def in_use() -> Optional[int]:
     serve_large_by_mmap has run, as the trainer and generate do first.
     Costs a walk of the heap's free lists (glibc: ~2 ms after a 100 MB
     graph, microseconds after an ordinary block's)."""
-    if _KIND == "glibc":
-        return int(_LIBC.mallinfo2().uordblks)
-    if _KIND == "darwin":
-        stats = _MallocStatistics()
-        _LIBC.malloc_zone_statistics(None, ctypes.byref(stats))
-        return int(stats.size_in_use)
-    return None
+    counts = _counts()
+    return None if counts is None else counts[0]
 
 
 def free() -> Optional[int]:
     """Bytes the heap holds free (glibc: in its free lists, resident or
     not; macOS: what its zones hold beyond what is in use); None where the
     allocator does not say."""
-    if _KIND == "glibc":
-        return int(_LIBC.mallinfo2().fordblks)
-    if _KIND == "darwin":
-        stats = _MallocStatistics()
-        _LIBC.malloc_zone_statistics(None, ctypes.byref(stats))
-        return int(stats.size_allocated - stats.size_in_use)
-    return None
+    counts = _counts()
+    return None if counts is None else counts[1]
 
 
 def grown_since(start: Optional[int]) -> int:
@@ -138,11 +141,9 @@ def trim() -> None:
         return
     try:
         if sys.platform.startswith("linux"):
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-            _LIBC.malloc_trim(0)
+            _LIBC.malloc_trim(ctypes.c_size_t(0))
         elif sys.platform == "darwin":
-            _LIBC.malloc_zone_pressure_relief.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            _LIBC.malloc_zone_pressure_relief(None, 0)
+            _LIBC.malloc_zone_pressure_relief(None, ctypes.c_size_t(0))
     except AttributeError:
         pass  # (not glibc)
 
