@@ -1190,6 +1190,11 @@ def _open_session(
             say(names)
     if training and args.fine_tune_type == "dora":
         init_dora_magnitudes(model, weights, first)
+        if getattr(args, "resume_adapter_file", None):
+            # mlx-lm loads the file after its DoRA layers took their
+            # magnitudes from the weights: the file's magnitudes win (they
+            # were overwritten here, and a resumed DoRA run went its own way).
+            model.load_weights(args.resume_adapter_file, strict=False)
     session = Session(
         args=args,
         model=model,

@@ -193,6 +193,20 @@ def mlx_lm_tree(model):
     return tree_flatten(model.trainable_parameters()) + tree_flatten(model.parameters())
 
 
+def test_dora_resumed_from_an_adapter_file_keeps_its_magnitudes(models, train_only_data, tmp_path):
+    """--resume-adapter-file with DoRA: mlx-lm loads the file after its
+    layers took their magnitudes from the weights. mlx-pager computed the
+    blocks' magnitudes after loading it, over the file's: the resumed run
+    went its own way (adapters 1e-2 off mlx-lm's after 2 steps)."""
+    model = models("llama", None)
+    both(model, train_only_data, tmp_path / "one", iters=3, fine_tune_type="dora")
+    first = tmp_path / "one" / "ref" / "adapters.safetensors"
+    ref, got, _ = both(
+        model, train_only_data, tmp_path / "two", iters=2, fine_tune_type="dora", resume_adapter_file=str(first)
+    )
+    assert_same_adapters(ref, got)
+
+
 def test_resume_continues_from_saved_adapters(models, tmp_path):
     model_path = models("llama", None)
     t = PagedTrainer(str(model_path), memory_budget="2GB", ssd_cache_dir=str(tmp_path / "c"), quiet=True)
