@@ -329,22 +329,24 @@ def check_blocks_unpatched(model) -> None:
 
 
 def check_adapter_keys(model, lora_parameters: dict) -> None:
-    """Refuses lora_parameters keys that put adapters outside the
-    transformer blocks, before anything is paged: mlx-lm's
-    linear_to_lora_layers also adapts any module of the whole model whose
-    full name is a key (lm_head, model.embed_tokens), and the paged step
-    differentiates the blocks' adapters only (it failed mid-run on the
-    missing gradients)."""
+    """Refuses, before anything is paged, lora_parameters keys that put
+    adapters outside the transformer blocks (mlx-lm's linear_to_lora_layers
+    also adapts any module of the whole model whose full name is a key:
+    lm_head, model.embed_tokens) where the paged step cannot train them as
+    mlx-lm does: with an active dropout (outside.py). Without dropout they
+    train (outside.py)."""
     keys = (lora_parameters or {}).get("keys")
     if not keys:
         return  # mlx-lm's default keys: the blocks' linear layers
     inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
     outside = sorted(name for name, m in model.named_modules() if name in keys and id(m) not in inside)
-    if outside:
+    p = float((lora_parameters or {}).get("dropout", 0.0) or 0.0)
+    if outside and p > 0:
         raise ValueError(
-            f"lora_parameters' keys put adapters on {', '.join(outside)}, outside the transformer blocks: "
-            "mlx-pager trains adapters inside the blocks only. Drop those keys (or train them with mlx_lm.lora, "
-            "which holds every weight in memory)"
+            f"lora_parameters' keys put adapters on {', '.join(outside)}, outside the transformer blocks, with "
+            f"dropout {p:g}: mlx-pager draws mlx-lm's dropout masks for the blocks' adapters only. Set "
+            "lora_parameters' dropout to 0.0, or drop those keys (or train with mlx_lm.lora, which holds every "
+            "weight in memory)"
         )
 
 

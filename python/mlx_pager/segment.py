@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import carry, dropout, heap, step
+from . import carry, dropout, heap, outside, step
 from .compiled import CompiledShapes
 
 
@@ -52,8 +52,9 @@ def tail_value_and_grad(
     chunk_bytes: int,
     stream=None,
     entering: Optional[dict] = None,
-) -> Tuple[mx.array, mx.array, Dict[int, Dict[str, mx.array]]]:
-    """(loss, dL/dh[start], {block: {adapter name: grad}}) for blocks
+) -> Tuple[mx.array, mx.array, Dict[int, Dict[str, mx.array]], Dict[str, mx.array]]:
+    """(loss, dL/dh[start], {block: {adapter name: grad}}, {full name: grad}
+    of the adapters outside the blocks (outside.py: the head's)) for blocks
     start..L-1 and the head, for one micro-batch. The blocks' pages must be
     bound, or `stream` (a bound stream.Stream over them) reads them where
     the graph uses them. keys[i]: block i's dropout key (None without dropout). When no
@@ -67,6 +68,7 @@ def tail_value_and_grad(
     names = [step._trainable_names(layer) for layer in layers]
     params = [[v for _, v in tree_flatten(layer.trainable_parameters())] for layer in layers]
     sizes = [len(p) for p in params]
+    out_names, out_params = outside.trainable(model)  # the head's adapters, if any (outside.py)
 
     def tail(x, *flat):
         at = 0
@@ -81,10 +83,13 @@ def tail_value_and_grad(
             link = carry.link(carries, i, extras)
             with step.keyed_dropout(layer, keys[i]):
                 x = carry.kept(step.run_linked(layer, x, mb.calls[i], link), link, extras)
-        return [_head_loss_in_graph(model, mb, x, chunk_bytes)]
+        with outside.bound(model, out_names, flat[at:]):
+            return [_head_loss_in_graph(model, mb, x, chunk_bytes)]
 
-    flat = [p for ps in params for p in ps]
-    need_h = step.first_trained_block(model) < start
+    flat = [p for ps in params for p in ps] + out_params
+    # dL/dh[start] where a block below is differentiated, or the
+    # embedding's adapters take it (outside.py).
+    need_h = step.first_trained_block(model) < start or (start == 0 and outside.trains_prefix(model))
     try:
         if need_h:
             (loss,), grads = mx.vjp(tail, [h, *flat], [mx.array(1.0, dtype=mx.float32)])
@@ -101,7 +106,7 @@ def tail_value_and_grad(
     for j, (n, k) in enumerate(zip(names, sizes)):
         out[start + j] = dict(zip(n, grads[at : at + k]))
         at += k
-    return loss, grads[0], out
+    return loss, grads[0], out, dict(zip(out_names, grads[at:]))
 
 
 class Tail:
@@ -219,13 +224,13 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
             mx.reset_peak_memory()
             # dropout from keys of its own: mlx-lm's key sequence untouched
             keys = [dropout.fixed(layer) for layer in model.layers]
-            loss, g_h, g_blocks = tail_value_and_grad(model, start, mb, h, keys, chunk_bytes, st)
+            loss, g_h, g_blocks, g_out = tail_value_and_grad(model, start, mb, h, keys, chunk_bytes, st)
             graph = heap.grown_since(heap_start)  # built, not yet run (heap.py)
-            mx.eval(loss, g_blocks, [] if g_h is None else g_h)
+            mx.eval(loss, g_blocks, g_out, [] if g_h is None else g_h)
             # less the pages it read and kept: the plan counts pages apart
             read = max(0, pager.stats()["resident_bytes"] - resident)
             used = max(0, mx.get_peak_memory() - base - read - pager.kept_frame_bytes()) + graph
-            del loss, g_h, g_blocks
+            del loss, g_h, g_blocks, g_out
     finally:
         pager.set_budget(old)
     mx.reset_peak_memory()

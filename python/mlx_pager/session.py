@@ -661,8 +661,16 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
     """DoRA's magnitude m is the row norm of the frozen weight, which mlx-lm
     computes when it wraps the layer; here the weight is paged, so compute it
     the same way with each block paged in."""
-    from mlx_lm.tuner.dora import DoRALinear
+    from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 
+    # Outside the blocks (outside.py: the head's, the embeddings'), the
+    # weights are the resident page's, pinned by now: mlx-lm's own code.
+    inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
+    for _, d in model.named_modules():
+        if id(d) not in inside and isinstance(d, DoRALinear):
+            d.set_linear(d.linear)
+        elif id(d) not in inside and isinstance(d, DoRAEmbedding):
+            d.set_embedding(d.embedding)
     for i in range(first, len(model.layers)):
         doras = [m for _, m in model.layers[i].named_modules() if isinstance(m, DoRALinear)]
         if not doras:

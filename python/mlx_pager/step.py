@@ -22,7 +22,8 @@ time (llm.c style: forward, then backward walking the forward in reverse):
   backward   for each trained block i, from the last: page it in, recompute
              block(h[i]) and take its vector-Jacobian product for h[i] and
              the block's adapter parameters, page it out. Blocks below the
-             first trained one are never revisited.
+             first trained one are never revisited (unless an embedding's
+             adapter needs dL/dh0: outside.py).
 
 With several micro-batches (gradient accumulation) every micro-batch passes
 through a block while it is in memory (layer-major order), so a block is
@@ -46,7 +47,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import carry, dropout, heap
+from . import carry, dropout, heap, outside
 from .carry import Carries
 from .compiled import KEEP_SHAPES, CompiledShapes
 from .layers import BlockList, NotPageable, architecture
@@ -455,24 +456,34 @@ def _concat(parts: List[mx.array]) -> mx.array:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
-def head_loss_and_grad(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -> Tuple[mx.array, mx.array]:
-    """default_loss's value for this micro-batch and its gradient w.r.t. h
-    (the last block's output), computed over token chunks."""
-    ce_parts, grad_parts = [], []
+def head_loss_and_grad(
+    model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int
+) -> Tuple[mx.array, mx.array, Dict[str, mx.array]]:
+    """default_loss's value for this micro-batch, its gradient w.r.t. h
+    (the last block's output), and those of the adapters outside the blocks
+    (outside.py: the head's; {} for the usual run), computed over token
+    chunks."""
+    names, params = outside.trainable(model)
+    ce_parts, grad_parts, out = [], [], {}
     for t0, t1 in head_chunks(h.shape[1], h.shape[0], _vocab_size(model), chunk_bytes):
         inputs = mb.inputs[:, t0:t1]
         targets, mask = mb.targets[:, t0:t1], mb.mask[:, t0:t1]
 
-        def chunk_loss(hc, inputs=inputs, targets=targets, mask=mask):
-            ce = _head_ce(model, inputs, targets, mask, hc)
+        def chunk_loss(hc, *values, inputs=inputs, targets=targets, mask=mask):
+            with outside.bound(model, names, values):
+                ce = _head_ce(model, inputs, targets, mask, hc)
             return ce.astype(mx.float32).sum() / mb.norm, ce
 
-        (_, ce), g = mx.value_and_grad(chunk_loss)(h[:, t0:t1])
-        mx.eval(ce, g)
+        # (MLX returns a lone gradient bare, even for argnums=(0,).)
+        argnums = tuple(range(1 + len(params))) if params else 0
+        (_, ce), g = mx.value_and_grad(chunk_loss, argnums=argnums)(h[:, t0:t1], *params)
+        g_h, g_p = (g[0], g[1:]) if params else (g, ())
+        outside.add(out, dict(zip(names, g_p)))
+        mx.eval(ce, g_h, out)
         ce_parts.append(ce)
-        grad_parts.append(g)
+        grad_parts.append(g_h)
     # Summed over all tokens at once, exactly as default_loss sums them.
-    return _concat(ce_parts).astype(mx.float32).sum() / mb.norm, _concat(grad_parts)
+    return _concat(ce_parts).astype(mx.float32).sum() / mb.norm, _concat(grad_parts), out
 
 
 def head_loss(model: nn.Module, mb: MicroBatch, h: mx.array, chunk_bytes: int) -> mx.array:
@@ -853,16 +864,20 @@ def probe_head(model: nn.Module, rows: int, length: int) -> int:
     for _ in range(2):
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        loss, g = head_loss_and_grad(model, mb, h, 0)
-        mx.eval(loss, g)
+        loss, g, g_out = head_loss_and_grad(model, mb, h, 0)
+        mx.eval(loss, g, g_out)
         used = max(used, mx.get_peak_memory() - base)
-        del loss, g
+        del loss, g, g_out
     mx.reset_peak_memory()
     return used
 
 
 def first_trained_block(model: nn.Module) -> int:
-    """Index of the lowest block with trainable parameters (len(layers) if none)."""
+    """Index of the lowest block the backward sweep differentiates: the
+    lowest with trainable parameters (len(layers) if none), or 0 where an
+    adapter outside the blocks makes the embedding output (outside.py)."""
+    if outside.trains_prefix(model):
+        return 0
     for i, layer in enumerate(model.layers):
         if tree_flatten(layer.trainable_parameters()):
             return i
@@ -1085,11 +1100,12 @@ def paged_value_and_grad(
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
                 pages = _page_bytes(weights) if base is not None else None
-                loss, g_h, g_blocks = blocks.tail.value_and_grad(
+                loss, g_h, g_blocks, g_out = blocks.tail.value_and_grad(
                     s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed, extras[m]
                 )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
+                outside.add(tail_grads, g_out)
                 if base is not None:
                     base.built()
                 mx.eval(loss, tail_grads, [] if g_h is None else g_h)
@@ -1108,8 +1124,9 @@ def paged_value_and_grad(
                 on_block("tail", i)
     else:
         for h, mb in zip(hs, micro_batches):
-            loss, g = head_loss_and_grad(model, mb, h, head_chunk_bytes)
-            mx.eval(loss, g)
+            loss, g, g_out = head_loss_and_grad(model, mb, h, head_chunk_bytes)
+            outside.add(grads, g_out)
+            mx.eval(loss, g, grads)
             losses.append(loss)
             ntoks.append(mb.ntoks)
             cots.append(g)
@@ -1156,6 +1173,11 @@ def paged_value_and_grad(
             carry.forget(carries, extras, down_to=i)  # their consumers' backward is done
         if on_block is not None:
             on_block("backward", i)
+    if first == 0 and outside.trains_prefix(model):
+        # dL/dh0 to the adapters that make the embedding output (outside.py).
+        for m, mb in enumerate(micro_batches):
+            outside.add(grads, outside.prefix_grads(model, mb.inputs, cots[m]))
+            mx.eval(grads)
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
     dropout.advance(draws)

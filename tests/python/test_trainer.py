@@ -193,6 +193,23 @@ def mlx_lm_tree(model):
     return tree_flatten(model.trainable_parameters()) + tree_flatten(model.parameters())
 
 
+@pytest.mark.parametrize("fine_tune_type, bits", [("lora", 4), ("dora", None)])
+def test_adapters_on_the_head_and_embeddings_give_mlx_lm_adapters(
+    models, train_only_data, tmp_path, fine_tune_type, bits
+):
+    """lora_parameters' keys naming the LM head and the embedding (mlx-lm
+    adapts any module a key names in full): the adapters are mlx_lm.lora's
+    bit for bit (outside.py), DoRA's magnitudes taken from the resident
+    weights as mlx-lm takes them (they were the placeholders' zeros)."""
+    keys = ["self_attn.q_proj", "self_attn.v_proj", "lm_head", "model.embed_tokens"]
+    lora = {"rank": 8, "dropout": 0.0, "scale": 20.0, "keys": keys}
+    ref, got, _ = both(
+        models("llama", bits), train_only_data, tmp_path, iters=4, lora_parameters=lora, fine_tune_type=fine_tune_type
+    )
+    assert {"lm_head.lora_b", "model.embed_tokens.lora_b"} <= set(got)
+    assert_same_adapters(ref, got)
+
+
 def test_dora_resumed_from_an_adapter_file_keeps_its_magnitudes(models, train_only_data, tmp_path):
     """--resume-adapter-file with DoRA: mlx-lm loads the file after its
     layers took their magnitudes from the weights. mlx-pager computed the

@@ -1,0 +1,158 @@
+"""Adapters outside the blocks (outside.py): LoRA/DoRA that mlx-lm's
+``keys`` put on the LM head and the embeddings train with mlx-lm's loss and
+gradients, and generate as mlx-lm does with them."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.trainer import default_loss
+from mlx_lm.tuner.utils import linear_to_lora_layers
+from test_step import LORA, assert_bitwise, batches
+
+from mlx_pager import PagedTrainer, modelgen, outside
+from mlx_pager import architectures as A
+from mlx_pager import step as S
+from mlx_pager.generate import load_paged
+
+Q = "self_attn.q_proj"
+HEAD, EMBED = "lm_head", "model.embed_tokens"
+
+
+def _model(models, tmp_path, arch, bits):
+    if arch in ("llama", "qwen3"):
+        return models(arch, bits)
+    return A.build(arch, bits, tmp_path / "models")
+
+
+@pytest.mark.parametrize(
+    "arch, bits, keys, num_layers, tail, dora",
+    [
+        ("llama", 4, [Q, HEAD], 2, None, False),  # the head's adapter alone: blocks 0-1 stay frozen
+        ("llama", 4, [Q, EMBED], 2, None, False),  # the embedding's: every block recomputed down to 0
+        ("llama", None, [Q, HEAD, EMBED], 2, 1, True),  # DoRA, a tail segment from block 1
+        ("llama", None, [HEAD, EMBED], 0, 0, False),  # no block trained, the whole model one tail
+        ("qwen3", 4, [Q, EMBED], 2, 3, False),  # tied: the embedding's adapter is the head's too
+        ("gemma", "4bit", [Q, EMBED], 2, None, False),  # tied, its embedding scaled
+    ],
+)
+def test_adapters_on_the_head_and_embeddings_are_bitwise_mlx_lm(
+    models, tmp_path, arch, bits, keys, num_layers, tail, dora
+):
+    path = _model(models, tmp_path, arch, bits)
+    lora = dict(LORA, keys=keys)
+    (batch,) = batches(path, 1)
+    ref = A.reference(path, num_layers, dora=dora, lora=lora)
+    (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
+    mx.eval(loss, grads)
+    model, w = A.paged(path, num_layers, "in_place", str(tmp_path / "c"), dora=dora, lora=lora)
+    names, _ = outside.trainable(model)
+    assert names and all(n.startswith(tuple(keys)) for n in names)
+    takes_h0 = EMBED in keys
+    assert S.first_trained_block(model) == (0 if takes_h0 else len(model.layers) - num_layers)
+    losses, _, pgrads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], tail_start=tail)
+    assert losses[0].item() == loss.item()
+    assert_bitwise(grads, pgrads)
+    assert all(mx.any(pgrads[n] != 0).item() for n in names if n.endswith("lora_b"))
+
+
+def test_a_split_batch_and_a_chunked_head_add_up_to_the_whole(models, tmp_path):
+    """The head's adapter's gradient is summed over the head's token chunks
+    and the micro-batches, the embedding's over the micro-batches: the
+    whole batch's, up to float rounding."""
+    path = models("llama", None)
+    lora = dict(LORA, keys=[Q, HEAD, EMBED])
+    batch, lengths = batches(path, 1, batch_size=4)[0]
+    ref = A.reference(path, 2, lora=lora)
+    (l, _), g = nn.value_and_grad(ref, default_loss)(ref, batch, lengths)
+    model, w = A.paged(path, 2, "in_place", str(tmp_path / "c"), lora=lora)
+    mbs = S.split_batch(batch, lengths, 2)
+    losses, _, grads = S.paged_value_and_grad(model, w, mbs, head_chunk_bytes=20_000)
+    assert sum(x.item() for x in losses) == pytest.approx(l.item(), rel=1e-5)
+    for k, v in tree_flatten(g):
+        assert mx.allclose(grads[k], v, rtol=1e-4, atol=1e-6).item(), k
+
+
+def test_finding_what_the_embedding_output_depends_on_leaves_the_key_sequence_alone(models, tmp_path):
+    path = models("llama", 4)
+    model, _ = A.paged(path, 2, "in_place", str(tmp_path / "c"), lora=dict(LORA, keys=[Q, EMBED]))
+    mx.random.seed(7)
+    state = mx.array(mx.random.state[0])
+    assert outside.trains_prefix(model)
+    assert mx.array_equal(state, mx.random.state[0]).item()
+    model, _ = A.paged(path, 2, "in_place", str(tmp_path / "c2"), lora=dict(LORA, keys=[Q, HEAD]))
+    assert not outside.trains_prefix(model)
+    model, _ = A.paged(path, 2, "in_place", str(tmp_path / "c3"))
+    assert outside.trainable(model) == ([], []) and not outside.trains_prefix(model)
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def __call__(self, h, per_layer):
+        return self.proj(h) + per_layer
+
+
+class _PerLayerInputs(nn.Module):
+    """A model that passes every block a per-layer input made from its
+    embedding output, as Gemma 3n does."""
+
+    def __init__(self, vocab=32, d=8, n=2):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = [_Block(d) for _ in range(n)]
+        self.lm_head = nn.Linear(d, vocab)
+
+    def __call__(self, inputs):
+        h = self.embed_tokens(inputs)
+        per_layer = 0.5 * h
+        for layer in self.layers:
+            h = layer(h, per_layer)
+        return self.lm_head(h)
+
+
+def test_an_adapter_that_feeds_the_blocks_besides_the_hidden_state_is_refused():
+    """The blocks' vjps give no cotangent for their call arguments: such an
+    adapter's gradient would be wrong, so it is named and refused."""
+    model = _PerLayerInputs()
+    model.freeze()
+    linear_to_lora_layers(model, 2, dict(LORA, keys=["proj", "embed_tokens"]))
+    with pytest.raises(ValueError, match="embed_tokens .*besides the hidden state"):
+        S.first_trained_block(model)
+    model = _PerLayerInputs()
+    model.freeze()
+    linear_to_lora_layers(model, 2, dict(LORA, keys=["proj", "lm_head"]))
+    assert not outside.trains_prefix(model)  # the head's adapter is fine
+
+
+def test_adapters_on_the_head_and_embeddings_generate_as_mlx_lm(models, tmp_path):
+    path = models("llama", 4, num_hidden_layers=6)
+    ad = tmp_path / "ad"
+    PagedTrainer(str(path), memory_budget="4GB", ssd_cache_dir=str(tmp_path / "cache"), quiet=True).lora(
+        modelgen.SAMPLE_DATA,
+        iters=3,
+        batch_size=2,
+        num_layers=3,
+        learning_rate=1e-2,
+        adapter_path=str(ad),
+        lora_parameters=dict(LORA, keys=[Q, HEAD, EMBED]),
+        val_batches=0,
+        save_every=1000,
+    )
+    saved = mx.load(str(ad / "adapters.safetensors"))
+    assert {f"{HEAD}.lora_b", f"{EMBED}.lora_b"} <= set(saved)
+    prompt = "the quick brown fox"
+    model, tok = mlx_lm.load(str(path), adapter_path=str(ad))
+    ref = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=12)]
+    del model
+    pages = None
+    for budget in (None, "two blocks"):
+        kw = {}
+        if budget is not None:
+            kw["page_budget"] = 2 * (max(pages) + 4096)
+        paged, ptok = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"), **kw)
+        pages = [paged.weights.page_bytes(i) for i in range(paged.weights.num_blocks)]
+        assert [r.token for r in mlx_lm.stream_generate(paged, ptok, prompt, max_tokens=12)] == ref
