@@ -916,10 +916,12 @@ def compare(
     head_chunk_bytes: int = 20_000,
     compile: bool = False,
     page_parts: int = 1,
+    lora=LORA,
 ) -> List[str]:
     """Runs mlx-lm's step and the paged step on the same batch; returns the
     differences (empty: bitwise equal). Raises NotPageable (or ValueError)
-    when mlx-pager refuses the model. ``compile``: the paged step's blocks
+    when mlx-pager refuses the model. `lora`: mlx-lm's lora_parameters
+    (its `keys` may name modules outside the blocks: outside.py). ``compile``: the paged step's blocks
     compiled with mx.compile (step.Blocks) or run as mlx-lm runs them; the
     matrix runs them uncompiled, since compiling JIT-builds C++ kernels for
     every new shape on the CPU backend (test_step.py checks the compiled
@@ -930,14 +932,14 @@ def compare(
 
     batch = batch if batch is not None else sample_batch(path)
     try:
-        ref = reference(path, num_layers)
+        ref = reference(path, num_layers, lora=lora)
         if not tree_flatten(ref.trainable_parameters()):
             raise ValueError("mlx-lm's LoRA finds no layer to adapt in its blocks")
         (loss, ntoks), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
         mx.eval(loss, grads)
     except Exception as e:
         raise MlxLmFails(_one_line(e)) from e
-    model, w = paged(path, num_layers, store, cache_dir, page_parts=page_parts)
+    model, w = paged(path, num_layers, store, cache_dir, page_parts=page_parts, lora=lora)
     losses, toks, pgrads = S.paged_value_and_grad(
         model,
         w,
