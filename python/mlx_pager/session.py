@@ -831,7 +831,9 @@ def _open_session(
     weights.pager.set_readahead((args.readahead if args.readahead is not None else 2) * weights.pages_per_block)
     release_heap()
     attach_adapters()
-    first = step.first_trained_block(model)
+    # (Evaluation differentiates nothing: adapters outside the blocks that
+    # training would refuse, outside.py, evaluate as mlx-lm evaluates them.)
+    first = step.first_trained_block(model) if training else len(model.layers)
 
     floating = [
         s.placeholder.dtype

@@ -194,3 +194,24 @@ def test_adapters_on_the_head_and_embeddings_generate_as_mlx_lm(models, tmp_path
         paged, ptok = load_paged(str(path), adapter_path=str(ad), ssd_cache_dir=str(tmp_path / "c"), **kw)
         pages = [paged.weights.page_bytes(i) for i in range(paged.weights.num_blocks)]
         assert [r.token for r in mlx_lm.stream_generate(paged, ptok, prompt, max_tokens=12)] == ref
+
+
+def test_adapters_training_refuses_still_evaluate_as_mlx_lm_evaluates_them(tmp_path):
+    """--test alone differentiates nothing: talkie's embedding adapter,
+    trained by mlx_lm.lora, gives mlx-lm's test loss (training it is
+    refused: test_every_module_...)."""
+    import re
+
+    from test_lora_cli import ANSI, cli
+
+    path = A.build("talkie", "4bit", tmp_path / "models")
+    (tmp_path / "c.yaml").write_text("lora_parameters: {rank: 4, scale: 20.0, dropout: 0.0, keys: [model.embed]}\n")
+    data = ["--data", modelgen.SAMPLE_DATA, "--batch-size", 2, "--num-layers", 2, "--adapter-path", tmp_path / "ad"]
+    train = cli("mlx_lm", "--model", path, "--train", "--iters", 2, "-c", tmp_path / "c.yaml", *data)
+    assert train.returncode == 0, train.stderr[-2000:]
+    flags = ["--model", path, "--test", "--test-batches", 3, *data]
+    ref = cli("mlx_lm", *flags)
+    out = cli("paged", *flags, "--memory-budget", "2GB", "--ssd-cache-dir", tmp_path / "c")
+    assert ref.returncode == 0 and out.returncode == 0, out.stderr[-2000:]
+    line = re.compile(r"Test loss \d+\.\d+, Test ppl \d+\.\d+\.")
+    assert line.findall(ANSI.sub("", out.stdout)) == line.findall(ANSI.sub("", ref.stdout)) != []
