@@ -130,3 +130,13 @@ def long_records(tmp_path: Path) -> Path:
     for name in ("train", "test"):
         write_jsonl(data / f"{name}.jsonl", [{"text": " ".join(words[i * 97 : i * 97 + 1600])} for i in range(2)])
     return data
+
+
+def quick_adapters(path, adapter_dir, cache_dir, **kw):
+    """Adapters from 3 paged LoRA steps (rate 1e-2, 3 blocks) in
+    `adapter_dir`: what generation tests load. `kw`: more lora() options."""
+    from mlx_pager import PagedTrainer
+
+    opts = dict(iters=3, batch_size=2, num_layers=3, learning_rate=1e-2, save_every=1000, **kw)
+    trainer = PagedTrainer(str(path), memory_budget="4GB", ssd_cache_dir=str(cache_dir), quiet=True)
+    return trainer.lora(SAMPLE, adapter_path=str(adapter_dir), **opts)

@@ -10,8 +10,9 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from cgroup import run_capped, unavailable_reason
+from conftest import quick_adapters
 
-from mlx_pager import PagedTrainer, modelgen
+from mlx_pager import modelgen
 from mlx_pager.budget import BudgetError
 from mlx_pager.generate import load_paged, min_reads_per_sweep
 
@@ -25,17 +26,8 @@ def trained(tmp_path_factory, models):
     for arch, bits in (("llama", None), ("qwen3", 4)):
         path = models(arch, bits, num_hidden_layers=6)
         ad = tmp_path_factory.mktemp(f"ad-{arch}")
-        PagedTrainer(str(path), memory_budget="4GB", ssd_cache_dir=str(ad / "cache"), quiet=True).lora(
-            modelgen.SAMPLE_DATA,
-            iters=3,
-            batch_size=2,
-            num_layers=3,
-            learning_rate=1e-2,
-            adapter_path=str(ad),
-            steps_per_eval=1000,
-            val_batches=1,  # the validation runs (iterations 1 and 3) are not this file's subject
-            save_every=1000,
-        )
+        # (the validation runs, iterations 1 and 3, are not this file's subject)
+        quick_adapters(path, ad, ad / "cache", steps_per_eval=1000, val_batches=1)
         out[arch] = (path, ad)
     return out
 

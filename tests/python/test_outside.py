@@ -6,13 +6,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from conftest import quick_adapters
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from test_step import LORA, assert_bitwise, batches
 
-from mlx_pager import PagedTrainer, modelgen, outside
 from mlx_pager import architectures as A
+from mlx_pager import modelgen, outside
 from mlx_pager import step as S
 from mlx_pager.generate import load_paged
 
@@ -169,17 +170,7 @@ def test_an_adapter_that_feeds_the_blocks_besides_the_hidden_state_is_refused():
 def test_adapters_on_the_head_and_embeddings_generate_as_mlx_lm(models, tmp_path):
     path = models("llama", 4, num_hidden_layers=6)
     ad = tmp_path / "ad"
-    PagedTrainer(str(path), memory_budget="4GB", ssd_cache_dir=str(tmp_path / "cache"), quiet=True).lora(
-        modelgen.SAMPLE_DATA,
-        iters=3,
-        batch_size=2,
-        num_layers=3,
-        learning_rate=1e-2,
-        adapter_path=str(ad),
-        lora_parameters=dict(LORA, keys=[Q, HEAD, EMBED]),
-        val_batches=0,
-        save_every=1000,
-    )
+    quick_adapters(path, ad, tmp_path / "cache", lora_parameters=dict(LORA, keys=[Q, HEAD, EMBED]), val_batches=0)
     saved = mx.load(str(ad / "adapters.safetensors"))
     assert {f"{HEAD}.lora_b", f"{EMBED}.lora_b"} <= set(saved)
     prompt = "the quick brown fox"
