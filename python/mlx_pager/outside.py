@@ -24,10 +24,11 @@ micro-batch, two terms, the bits of mlx-lm's sum in any order.
 
 What the step cannot do is refused, by name: an adapter outside the blocks
 with an active dropout (checks.check_adapter_keys, before anything is
-paged: mlx-lm draws its masks from the global key sequence in the model's
-order, which the paged step reproduces for the blocks' adapters only,
-dropout.py), and one that feeds a block anything besides the hidden state
-(trains_prefix: a per-layer input made from an embedding; the blocks'
+paged, from the run's flags; trains_prefix, from the modules: mlx-lm draws
+its masks from the global key sequence in the model's order, which the
+paged step reproduces for the blocks' adapters only, dropout.py), and one
+that feeds a block anything besides the hidden state (trains_prefix, when
+the session opens: a per-layer input made from an embedding; the blocks'
 vjps give no cotangent for their call arguments).
 """
 
@@ -70,14 +71,31 @@ def bound(model: nn.Module, names: List[str], values):
 _PREFIX: Dict[int, Tuple[weakref.ref, tuple, bool]] = {}
 
 
+def _owners(names: List[str]) -> List[str]:
+    return sorted({n.rsplit(".", 1)[0] for n in names})
+
+
+def _active_dropout(model: nn.Module, names: List[str]) -> List[str]:
+    """The modules owning `names` with an active LoRA/DoRA dropout."""
+    modules = dict(model.named_modules())
+    return [
+        o
+        for o in _owners(names)
+        if any(isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in modules[o].named_modules())
+    ]
+
+
 def trains_prefix(model: nn.Module) -> bool:
     """Whether the embedding output h0 depends on adapters outside the
     blocks (an embedding's adapter): then the step differentiates the blocks
     down to block 0. Found by a forward-mode derivative of the model's own
-    call up to its blocks (two tokens, at random values along random
-    tangents, from a key of its own: the global key sequence is untouched),
-    which also tells whether they feed a block anything else (refused:
-    ValueError)."""
+    call up to its blocks (two distinct tokens, at random values along
+    random tangents, from a key of its own: the global key sequence is
+    untouched), which also tells whether they feed a block anything else.
+    Raises ValueError, naming them, for adapters the step cannot train as
+    mlx-lm does: those that feed a block anything else, and those with an
+    active dropout (checks.check_adapter_keys refuses these first, from the
+    run's flags; this is the step's own guard)."""
     names, params = trainable(model)
     if not names:
         return False
@@ -86,14 +104,19 @@ def trains_prefix(model: nn.Module) -> bool:
         return cached[2]
     from . import step
 
-    inputs = mx.zeros((1, 2), dtype=mx.int32)
-    others: List[int] = []
+    active = _active_dropout(model, names)
+    if active:
+        raise ValueError(
+            f"the adapters on {', '.join(active)} (outside the transformer blocks) have an active dropout: "
+            "mlx-pager draws mlx-lm's dropout masks for the blocks' adapters only. Set lora_parameters' "
+            "dropout to 0.0, or drop those keys"
+        )
+    inputs = mx.array([[1, 2]], dtype=mx.int32)
 
     def f(*values):
         with bound(model, names, values):
             h0, calls = step.record_calls(model, inputs)
         arrays = [v for _, v in tree_flatten(calls) if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating)]
-        others[:] = [len(arrays)]
         return [h0, *arrays]
 
     # At random values too, not the adapters' own: a fresh lora_b is zeros,
@@ -108,19 +131,26 @@ def trains_prefix(model: nn.Module) -> bool:
 
     primals = [rand(2 * j, p) for j, p in enumerate(params)]
     tangents = [rand(2 * j + 1, p) for j, p in enumerate(params)]
-    _, tans = mx.jvp(f, primals, tangents)
-    moved = [bool(mx.any(t != 0).item()) for t in tans]
-    if any(moved[1:]):
-        owners = sorted({n.rsplit(".", 1)[0] for n in names})
+
+    def moved(only=None):
+        """Which outputs of f move (h0 first), the tangents of `only`'s
+        parameters alone where given."""
+        ts = [t if only is None or n.rsplit(".", 1)[0] == only else mx.zeros_like(t) for n, t in zip(names, tangents)]
+        _, tans = mx.jvp(f, primals, ts)
+        return [bool(mx.any(t != 0).item()) for t in tans]
+
+    first = moved()
+    if any(first[1:]):
+        culprits = [o for o in _owners(names) if any(moved(o)[1:])] or _owners(names)
         raise ValueError(
-            f"the adapters on {', '.join(owners)} (outside the transformer blocks) change what the model "
+            f"the adapters on {', '.join(culprits)} (outside the transformer blocks) change what the model "
             "passes its blocks besides the hidden state, which mlx-pager cannot differentiate: drop those keys "
             "(or train them with mlx_lm.lora, which holds every weight in memory)"
         )
     for k in [k for k, v in _PREFIX.items() if v[0]() is None]:
         del _PREFIX[k]
-    _PREFIX[id(model)] = (weakref.ref(model), tuple(names), moved[0])
-    return moved[0]
+    _PREFIX[id(model)] = (weakref.ref(model), tuple(names), first[0])
+    return first[0]
 
 
 def prefix_grads(model: nn.Module, inputs: mx.array, cotangent: mx.array) -> Dict[str, mx.array]:

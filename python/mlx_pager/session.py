@@ -973,7 +973,11 @@ def _open_session(
     # and full-attention blocks), among the trained blocks (the blocks whose
     # forward + vjp a step runs) or, evaluating, all; the plan takes the
     # largest measure, and `probed` is the block that gave it.
-    probed = first if training else max(range(L), key=lambda i: shape.footprints[i], default=0)
+    # (Blocks below the adapted ones that an embedding's adapter makes the
+    # sweep differentiate, outside.py, are frozen: their vjp takes less.)
+    adapted = step.first_adapted_block(model)
+    probe_from = adapted if training and adapted < L else first
+    probed = probe_from if training else max(range(L), key=lambda i: shape.footprints[i], default=0)
     measured_blocks, standing = [probed], {}  # (standing: each measured block's kind, kinds.represented)
     took_most: dict = {}  # chunk -> the measured block that took the most with it (block_probe)
 
@@ -1024,7 +1028,9 @@ def _open_session(
         try:
             # (the calls' shapes only: nothing recorded is evaluated)
             recorded = step.record_calls(model, mx.zeros((1, seq_len), dtype=mx.int32))[1]
-            standing = kinds.represented(model, recorded, range(first, L) if training else range(L), shape.footprints)
+            standing = kinds.represented(
+                model, recorded, range(probe_from, L) if training else range(L), shape.footprints
+            )
             measured_blocks = list(standing) or measured_blocks
             del recorded
         except Exception:  # (the probe below says what failed)

@@ -874,10 +874,15 @@ def probe_head(model: nn.Module, rows: int, length: int) -> int:
 
 def first_trained_block(model: nn.Module) -> int:
     """Index of the lowest block the backward sweep differentiates: the
-    lowest with trainable parameters (len(layers) if none), or 0 where an
+    lowest with trainable parameters (first_adapted_block), or 0 where an
     adapter outside the blocks makes the embedding output (outside.py)."""
     if outside.trains_prefix(model):
         return 0
+    return first_adapted_block(model)
+
+
+def first_adapted_block(model: nn.Module) -> int:
+    """Index of the lowest block with trainable parameters (len(layers) if none)."""
     for i, layer in enumerate(model.layers):
         if tree_flatten(layer.trainable_parameters()):
             return i

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import mlx_lm
 import pytest
 from conftest import quick_adapters
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from test_step import LORA, assert_bitwise, batches
@@ -25,6 +25,17 @@ def _model(models, tmp_path, arch, bits):
     if arch in ("llama", "qwen3"):
         return models(arch, bits)
     return A.build(arch, bits, tmp_path / "models")
+
+
+def _randomize(*models):
+    """The same random values for every trainable parameter of `models`
+    (by name), from a key of their own."""
+    flat = tree_flatten(models[0].trainable_parameters())
+    keys = mx.random.split(mx.random.key(3), len(flat))
+    new = [(n, (0.05 * mx.random.normal(v.shape, key=k)).astype(v.dtype) + v) for (n, v), k in zip(flat, keys)]
+    mx.eval([v for _, v in new])
+    for m in models:
+        m.update(tree_unflatten(new))
 
 
 @pytest.mark.parametrize(
@@ -45,9 +56,12 @@ def test_adapters_on_the_head_and_embeddings_are_bitwise_mlx_lm(
     lora = dict(LORA, keys=keys)
     (batch,) = batches(path, 1)
     ref = A.reference(path, num_layers, dora=dora, lora=lora)
+    model, w = A.paged(path, num_layers, "in_place", str(tmp_path / "c"), dora=dora, lora=lora)
+    # The same random adapters in both (a fresh lora_b is zeros: every
+    # lora_a gradient would be zeros on both sides).
+    _randomize(ref, model)
     (loss, _), grads = nn.value_and_grad(ref, default_loss)(ref, *batch)
     mx.eval(loss, grads)
-    model, w = A.paged(path, num_layers, "in_place", str(tmp_path / "c"), dora=dora, lora=lora)
     names, _ = outside.trainable(model)
     assert names and all(n.startswith(tuple(keys)) for n in names)
     takes_h0 = EMBED in keys
@@ -55,7 +69,7 @@ def test_adapters_on_the_head_and_embeddings_are_bitwise_mlx_lm(
     losses, _, pgrads = S.paged_value_and_grad(model, w, [S.MicroBatch.from_batch(*batch)], tail_start=tail)
     assert losses[0].item() == loss.item()
     assert_bitwise(grads, pgrads)
-    assert all(mx.any(pgrads[n] != 0).item() for n in names if n.endswith("lora_b"))
+    assert all(mx.any(pgrads[n] != 0).item() for n in names)
 
 
 def _outside_modules(path):
@@ -99,18 +113,27 @@ def test_every_module_outside_the_blocks_is_trained_as_mlx_lm_trains_it(tmp_path
 def test_a_split_batch_and_a_chunked_head_add_up_to_the_whole(models, tmp_path):
     """The head's adapter's gradient is summed over the head's token chunks
     and the micro-batches, the embedding's over the micro-batches: the
-    whole batch's, up to float rounding."""
+    whole batch's, up to float rounding, as close to it as mlx-lm's own
+    gradients of the same parts summed (random adapters: ~1e-3 relative)."""
     path = models("llama", None)
     lora = dict(LORA, keys=[Q, HEAD, EMBED])
     batch, lengths = batches(path, 1, batch_size=4)[0]
     ref = A.reference(path, 2, lora=lora)
-    (l, _), g = nn.value_and_grad(ref, default_loss)(ref, batch, lengths)
     model, w = A.paged(path, 2, "in_place", str(tmp_path / "c"), lora=lora)
+    _randomize(ref, model)
+    vg = nn.value_and_grad(ref, default_loss)
+    (l, n), g = vg(ref, batch, lengths)
     mbs = S.split_batch(batch, lengths, 2)
+    parts = {}
+    for r in (slice(0, 2), slice(2, 4)):
+        (_, n_r), g_r = vg(ref, batch[r], lengths[r])
+        for k, v in tree_flatten(g_r):
+            parts[k] = parts.get(k, 0) + v * (n_r / n)
     losses, _, grads = S.paged_value_and_grad(model, w, mbs, head_chunk_bytes=20_000)
     assert sum(x.item() for x in losses) == pytest.approx(l.item(), rel=1e-5)
     for k, v in tree_flatten(g):
-        assert mx.allclose(grads[k], v, rtol=1e-4, atol=1e-6).item(), k
+        theirs = mx.abs(parts[k] - v).max().item()
+        assert mx.abs(grads[k] - v).max().item() <= 2 * theirs + 1e-6 * mx.abs(v).max().item(), k
 
 
 def test_finding_what_the_embedding_output_depends_on_leaves_the_key_sequence_alone(models, tmp_path):
@@ -158,9 +181,9 @@ def test_an_adapter_that_feeds_the_blocks_besides_the_hidden_state_is_refused():
     adapter's gradient would be wrong, so it is named and refused."""
     model = _PerLayerInputs()
     model.freeze()
-    linear_to_lora_layers(model, 2, dict(LORA, keys=["proj", "embed_tokens"]))
-    with pytest.raises(ValueError, match="embed_tokens .*besides the hidden state"):
-        S.first_trained_block(model)
+    linear_to_lora_layers(model, 2, dict(LORA, keys=["proj", "embed_tokens", "lm_head"]))
+    with pytest.raises(ValueError, match="adapters on embed_tokens \\(outside the transformer blocks\\) .*besides"):
+        S.first_trained_block(model)  # (the head's adapter is not named: it is not the one at fault)
     model = _PerLayerInputs()
     model.freeze()
     linear_to_lora_layers(model, 2, dict(LORA, keys=["proj", "lm_head"]))
@@ -206,3 +229,13 @@ def test_adapters_training_refuses_still_evaluate_as_mlx_lm_evaluates_them(tmp_p
     assert ref.returncode == 0 and out.returncode == 0, out.stderr[-2000:]
     line = re.compile(r"Test loss \d+\.\d+, Test ppl \d+\.\d+\.")
     assert line.findall(ANSI.sub("", out.stdout)) == line.findall(ANSI.sub("", ref.stdout)) != []
+
+
+def test_the_step_refuses_adapters_outside_the_blocks_with_an_active_dropout(models, tmp_path):
+    """Whatever set them up (the Python API here, not the CLI's flags, which
+    checks.check_adapter_keys refuses first): their masks would come from
+    the global key sequence, out of mlx-lm's order."""
+    path = models("llama", 4)
+    model, _ = A.paged(path, 2, "in_place", str(tmp_path / "c"), lora=dict(LORA, dropout=0.1, keys=[Q, HEAD]))
+    with pytest.raises(ValueError, match="adapters on lm_head .*active dropout"):
+        S.first_trained_block(model)
