@@ -338,8 +338,9 @@ def check_adapter_keys(model, lora_parameters: dict) -> None:
     keys = (lora_parameters or {}).get("keys")
     if not keys:
         return  # mlx-lm's default keys: the blocks' linear layers
-    inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
-    outside = sorted(name for name, m in model.named_modules() if name in keys and id(m) not in inside)
+    from . import outside as out
+
+    outside = sorted(name for name, _ in out.modules(model) if name in keys)
     p = float((lora_parameters or {}).get("dropout", 0.0) or 0.0)
     if outside and p > 0:
         raise ValueError(

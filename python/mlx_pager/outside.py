@@ -43,6 +43,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 
+def modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(full name, module) of the model's modules outside its blocks
+    (model.layers): the embeddings, the head, a wrapper's own."""
+    inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
+    return [(n, m) for n, m in model.named_modules() if id(m) not in inside]
+
+
 def trainable(model: nn.Module) -> Tuple[List[str], List[mx.array]]:
     """(full names, arrays) of the trainable parameters outside the blocks
     (model.layers), in the model's order; none for the usual run."""

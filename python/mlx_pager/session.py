@@ -663,13 +663,14 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
     the same way with each block paged in."""
     from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 
+    from . import outside as out
+
     # Outside the blocks (outside.py: the head's, the embeddings'), the
     # weights are the resident page's, pinned by now: mlx-lm's own code.
-    inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
-    for _, d in model.named_modules():
-        if id(d) not in inside and isinstance(d, DoRALinear):
+    for _, d in out.modules(model):
+        if isinstance(d, DoRALinear):
             d.set_linear(d.linear)
-        elif id(d) not in inside and isinstance(d, DoRAEmbedding):
+        elif isinstance(d, DoRAEmbedding):
             d.set_embedding(d.embedding)
     for i in range(first, len(model.layers)):
         doras = [m for _, m in model.layers[i].named_modules() if isinstance(m, DoRALinear)]

@@ -78,9 +78,8 @@ def _outside_modules(path):
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path, lazy=True)
-    inside = {id(m) for layer in model.layers for _, m in layer.named_modules()}
     kinds = (nn.Embedding, nn.QuantizedEmbedding, nn.Linear, nn.QuantizedLinear)
-    return [n for n, m in model.named_modules() if id(m) not in inside and isinstance(m, kinds)]
+    return [n for n, m in outside.modules(model) if isinstance(m, kinds)]
 
 
 @pytest.mark.parametrize(
