@@ -214,7 +214,7 @@ def probe_tail(model: nn.Module, weights, start: int, rows: int, length: int, ch
     window = sum(sorted((weights.block_charge_bound(i) for i in range(start, L)), reverse=True)[:2])
     old = pager.set_budget(pager.stats()["resident_bytes"] + window)
     try:
-        with Stream(weights, range(start, L)).bound() as st:
+        with Stream(weights, range(start, L)).bound() as st, step.gc_paused():
             # The frame the pager keeps for its next read is the pages'
             # (mlx_frames.h), not the tail's: measure without it.
             pager.drop_kept_frame()
