@@ -1104,7 +1104,7 @@ RECORDED: Dict[str, Dict[str, str]] = {
     "stablelm": {"bf16": "pass", "fp32": "pass", "4bit": "pass"},
     "starcoder2": {"bf16": "pass", "fp32": "pass", "4bit": "pass"},
     "step3p5": {"bf16": "cannot build", "fp32": "pass", "4bit": "pass"},
-    "talkie": {"bf16": "pass", "fp32": "pass", "4bit": "pass"},
+    "talkie": {"bf16": "refused", "fp32": "refused", "4bit": "refused"},
     "telechat3": {"bf16": "pass", "fp32": "pass", "4bit": "pass"},
     "youtu_llm": {"bf16": "pass", "fp32": "pass", "4bit": "pass"},
 }
