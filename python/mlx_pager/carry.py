@@ -46,6 +46,18 @@ import mlx.core as mx
 
 Ref = Tuple[int, int]  # (producing block, output index >= 1)
 
+# The producer of what the model makes before block 0 and passes blocks
+# besides the hidden state, where adapters outside the blocks change it
+# (outside.carry_prefix: a per-layer input made from the embedding): it is
+# trained, and its cotangents go to outside.prefix_grads.
+PREFIX = -1
+
+
+def trained(producer: int, first: int) -> bool:
+    """Whether carries of `producer` have cotangents where training starts
+    at block `first`."""
+    return producer == PREFIX or producer >= first
+
 
 class Out:
     """Stands in for output `k` (k >= 1) of block `block` where blocks
@@ -170,7 +182,7 @@ class Carries:
     def crosses(self, s: int, lowest: int = 0) -> bool:
         """Whether a carry goes from below block s to block s or above (from
         a producer at `lowest` or above)."""
-        return any(lowest <= p < s <= max(c) for (p, _), c in self.consumers.items())
+        return any(trained(p, lowest) and p < s <= max(c) for (p, _), c in self.consumers.items())
 
     def entering(self, s: int) -> List[Ref]:
         """The carries made below block s that blocks from s up take, in a
@@ -239,7 +251,7 @@ def link(carries: "Carries", i: int, extras: dict, pending: Optional[dict] = Non
     values = [extras[r] for r in takes]
     if pending is None:
         return Link(carries, i, values, keep)
-    learn = tuple(r[0] >= first for r in takes)
+    learn = tuple(trained(r[0], first) for r in takes)
     seeds = [pending.get(r) if l and r not in takes[:k] else None for k, (r, l) in enumerate(zip(takes, learn))]
     return Link(carries, i, values, keep, learn, seeds)
 

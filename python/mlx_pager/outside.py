@@ -16,31 +16,43 @@ their adapters; the paged step differentiates them where they are used:
            of the whole model differentiates every block between the
            embedding and the loss), and the vjp of the model's own call up to
            its first block (step.record_calls) turns dL/dh0 into their
-           gradients.
+           gradients;
+  fed      where they change what the model passes its blocks besides h0
+           (gemma4_text's per-layer inputs, made from the embedding output
+           and their own embedding: Prefix.feeds), those arguments are
+           carries made before block 0 (carry.PREFIX, carry_prefix): each
+           block's vjp differentiates its own, their cotangents are summed
+           as carries' are (carry.py), and the same vjp up to block 0 takes
+           them beside dL/dh0. No tail segment starts above block 0 then
+           (placement.Step.tail_allowed): every block is recomputed.
 
 Each gives every such parameter a gradient (zeros where unused, as MLX's
 autodiff gives them), and the step sums them: with one head chunk and one
-micro-batch, two terms, the bits of mlx-lm's sum in any order.
+micro-batch, two terms, the bits of mlx-lm's sum in any order. Where the
+call arguments are fed, some cotangents sum in another order than MLX's
+autodiff of the whole model (h0's uses in block 0 and in the per-layer
+projection: MLX adds the projection's between block 0's ops): within float
+rounding (test_outside.py: 1e-7 relative in float32).
 
 What the step cannot do is refused, by name: an adapter outside the blocks
 with an active dropout (checks.check_adapter_keys, before anything is
-paged, from the run's flags; trains_prefix, from the modules: mlx-lm draws
+paged, from the run's flags; prefix(), from the modules: mlx-lm draws
 its masks from the global key sequence in the model's order, which the
-paged step reproduces for the blocks' adapters only, dropout.py), and one
-that feeds a block anything besides the hidden state (trains_prefix, when
-the session opens: a per-layer input made from an embedding; the blocks'
-vjps give no cotangent for their call arguments).
+paged step reproduces for the blocks' adapters only, dropout.py).
 """
 
 from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+
+from . import carry
 
 
 def modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -73,9 +85,32 @@ def bound(model: nn.Module, names: List[str], values):
         model.update(tree_unflatten([(n, own[n]) for n in names]))
 
 
-# id(model) -> (weak reference to it, names, whether h0 depends on them):
-# the structure, not the values. (A Module is a dict: not hashable.)
-_PREFIX: Dict[int, Tuple[weakref.ref, tuple, bool]] = {}
+@dataclass(frozen=True)
+class Prefix:
+    """What the adapters outside the blocks change before block 0."""
+
+    h0: bool  # the embedding output (the hidden state block 0 takes)
+    # (block, leaf index of its call in carry.map_leaves order): the block
+    # call arguments they change besides the hidden state (a per-layer
+    # input made from the embedding, an embedding skip)
+    feeds: Tuple[Tuple[int, int], ...] = ()
+    # Per distinct array among them: the last block that takes it
+    last: Tuple[int, ...] = ()
+
+    def pairs(self) -> List[Tuple[int, int]]:
+        """(carry.PREFIX, last consumer) per argument: placement.Step's
+        carries."""
+        return [(carry.PREFIX, c) for c in self.last]
+
+    @property
+    def trains(self) -> bool:
+        return self.h0 or bool(self.feeds)
+
+
+# id(model) -> (weak reference to it, names, Prefix): the structure, not
+# the values. (A Module is a dict: not hashable.)
+_PREFIX: Dict[int, Tuple[weakref.ref, tuple, Prefix]] = {}
+_NONE = Prefix(False)
 
 
 def _owners(names: List[str]) -> List[str]:
@@ -92,20 +127,27 @@ def _active_dropout(model: nn.Module, names: List[str]) -> List[str]:
     ]
 
 
-def trains_prefix(model: nn.Module) -> bool:
-    """Whether the embedding output h0 depends on adapters outside the
-    blocks (an embedding's adapter): then the step differentiates the blocks
-    down to block 0. Found by a forward-mode derivative of the model's own
-    call up to its blocks (two distinct tokens, at random values along
-    random tangents, from a key of its own: the global key sequence is
-    untouched), which also tells whether they feed a block anything else.
-    Raises ValueError, naming them, for adapters the step cannot train as
-    mlx-lm does: those that feed a block anything else, and those with an
-    active dropout (checks.check_adapter_keys refuses these first, from the
-    run's flags; this is the step's own guard)."""
+def _call_leaves(calls) -> List[Tuple[int, int, mx.array]]:
+    """(block, leaf index, array) of every differentiable leaf of the
+    blocks' recorded calls (carry.map_leaves order)."""
+    return [
+        (i, j, v) for i, call in enumerate(calls) for j, v in enumerate(carry.leaves(call)) if carry.differentiable(v)
+    ]
+
+
+def prefix(model: nn.Module) -> Prefix:
+    """What the adapters outside the blocks change before block 0 (Prefix):
+    where they change anything, the step differentiates the blocks down to
+    block 0 (step.first_trained_block). Found by a forward-mode derivative of
+    the model's own call up to its blocks (two distinct tokens, at random
+    values along random tangents, from a key of its own: the global key
+    sequence is untouched). Raises ValueError, naming them, for adapters the
+    step cannot train as mlx-lm does: those with an active dropout
+    (checks.check_adapter_keys refuses these first, from the run's flags;
+    this is the step's own guard)."""
     names, params = trainable(model)
     if not names:
-        return False
+        return _NONE
     cached = _PREFIX.get(id(model))
     if cached is not None and cached[0]() is model and cached[1] == tuple(names):
         return cached[2]
@@ -119,12 +161,16 @@ def trains_prefix(model: nn.Module) -> bool:
             "dropout to 0.0, or drop those keys"
         )
     inputs = mx.array([[1, 2]], dtype=mx.int32)
+    where: List[Tuple[int, int]] = []
+    recorded = []
 
     def f(*values):
         with bound(model, names, values):
             h0, calls = step.record_calls(model, inputs)
-        arrays = [v for _, v in tree_flatten(calls) if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating)]
-        return [h0, *arrays]
+        leaves = _call_leaves(calls)
+        where[:] = [(i, j) for i, j, _ in leaves]
+        recorded[:] = [calls]
+        return [h0, *(v for _, _, v in leaves)]
 
     # At random values too, not the adapters' own: a fresh lora_b is zeros,
     # and the model's frozen weights may still be placeholders (zeros), under
@@ -138,41 +184,105 @@ def trains_prefix(model: nn.Module) -> bool:
 
     primals = [rand(2 * j, p) for j, p in enumerate(params)]
     tangents = [rand(2 * j + 1, p) for j, p in enumerate(params)]
-
-    def moved(only=None):
-        """Which outputs of f move (h0 first), the tangents of `only`'s
-        parameters alone where given."""
-        ts = [t if only is None or n.rsplit(".", 1)[0] == only else mx.zeros_like(t) for n, t in zip(names, tangents)]
-        _, tans = mx.jvp(f, primals, ts)
-        return [bool(mx.any(t != 0).item()) for t in tans]
-
-    first = moved()
-    if any(first[1:]):
-        culprits = [o for o in _owners(names) if any(moved(o)[1:])] or _owners(names)
-        raise ValueError(
-            f"the adapters on {', '.join(culprits)} (outside the transformer blocks) change what the model "
-            "passes its blocks besides the hidden state, which mlx-pager cannot differentiate: drop those keys "
-            "(or train them with mlx_lm.lora, which holds every weight in memory)"
-        )
+    # The frozen float weights outside the blocks at random values too (held
+    # fixed): when the session opens they are still placeholders, under
+    # which an adapter on a projection of the embedding output (gemma4_text's
+    # per_layer_model_projection) moved nothing, and the step left it
+    # untrained (its gradient zero; mlx_lm.lora trains it).
+    inside = {id(v) for layer in model.layers for _, v in tree_flatten(layer.parameters())}
+    taken = set(names)
+    fixed = [
+        (k, v)
+        for k, v in tree_flatten(model.parameters())
+        if id(v) not in inside and k not in taken and mx.issubdtype(v.dtype, mx.floating)
+    ]
+    fkeys = mx.random.split(mx.random.key(1), max(1, len(fixed)))
+    model.update(
+        tree_unflatten([(k, mx.random.normal(v.shape, key=r).astype(v.dtype)) for (k, v), r in zip(fixed, fkeys)])
+    )
+    try:
+        _, tans = mx.jvp(f, primals, tangents)
+    finally:
+        model.update(tree_unflatten(fixed))
+    moved = [bool(mx.any(t != 0).item()) for t in tans]
+    feeds = tuple(w for w, m in zip(where, moved[1:]) if m)
+    index = _fed(recorded[0], feeds)[1]
+    last = [max(i for (i, _), k in index.items() if k == n) for n in range(len(set(index.values())))]
+    found = Prefix(moved[0], feeds, tuple(last))
+    recorded.clear()  # (the tracers of the recording)
     for k in [k for k, v in _PREFIX.items() if v[0]() is None]:
         del _PREFIX[k]
-    _PREFIX[id(model)] = (weakref.ref(model), tuple(names), first[0])
-    return first[0]
+    _PREFIX[id(model)] = (weakref.ref(model), tuple(names), found)
+    return found
 
 
-def prefix_grads(model: nn.Module, inputs: mx.array, cotangent: mx.array) -> Dict[str, mx.array]:
+def trains_prefix(model: nn.Module) -> bool:
+    """Whether the adapters outside the blocks change what block 0 or any
+    block takes from the embedding (prefix): then the step differentiates
+    the blocks down to block 0."""
+    return prefix(model).trains
+
+
+def _fed(calls, feeds) -> Tuple[List[mx.array], Dict[Tuple[int, int], int]]:
+    """The distinct arrays at `feeds` in the blocks' `calls` (one array
+    passed to several blocks once), in order, and each position's index
+    among them."""
+    at = {(i, j): v for i, j, v in _call_leaves(calls)}
+    arrays, index, seen = [], {}, {}
+    for w in feeds:
+        v = at[w]
+        if id(v) not in seen:
+            seen[id(v)] = len(arrays)
+            arrays.append(v)
+        index[w] = seen[id(v)]
+    return arrays, index
+
+
+def carry_prefix(model: nn.Module, mb) -> Dict[carry.Ref, mx.array]:
+    """Where the adapters outside the blocks change block call arguments
+    (Prefix.feeds), `mb`'s recorded calls (step.MicroBatch) take them as
+    carries of a producer before block 0 (carry.PREFIX: the step
+    differentiates them in each consumer's vjp and sums their cotangents,
+    carry.py); returns {ref: value}, which the step keeps beside the
+    micro-batch's other carries, and sets as mb.fed ({} where there is
+    none)."""
+    feeds = prefix(model).feeds
+    if not feeds:
+        return {}
+    arrays, index = _fed(mb.calls, feeds)
+    put = {}
+    for i, j in feeds:
+        put.setdefault(i, {})[j] = carry.Out(carry.PREFIX, index[(i, j)] + 1)
+    mb.calls = [carry.map_leaves(c, lambda j, v, p=put.get(i, {}): p.get(j, v)) for i, c in enumerate(mb.calls)]
+    mb.carries = carry.Carries(mb.calls)
+    mb.fed = {(carry.PREFIX, k + 1): v for k, v in enumerate(arrays)}
+    return mb.fed
+
+
+def prefix_grads(model: nn.Module, inputs: mx.array, cotangent: mx.array, fed=None) -> Dict[str, mx.array]:
     """{full name: gradient} of the adapters outside the blocks through the
-    embedding output h0 of `inputs`, for the cotangent dL/dh0."""
+    embedding output h0 of `inputs`, for the cotangent dL/dh0, and through
+    the block call arguments they change (Prefix.feeds), for `fed`: the
+    cotangents the blocks left for them ({ref: [cotangent]}, carry_prefix's
+    refs)."""
     from . import step
 
     names, params = trainable(model)
+    feeds = prefix(model).feeds
+    fed = fed or {}
+    # (every argument has a consumer in the sweep, which runs down to block
+    # 0 without a tail: the step's carries.crosses)
+    cots = [cotangent, *(fed[(carry.PREFIX, k + 1)][0] for k in range(len(fed)))]
 
     def f(*values):
         with bound(model, names, values):
-            h0, _ = step.record_calls(model, inputs)
-        return [h0]
+            h0, calls = step.record_calls(model, inputs)
+        arrays = _fed(calls, feeds)[0] if feeds else []
+        if len(arrays) != len(fed):
+            raise RuntimeError(f"{len(fed)} cotangents for {len(arrays)} call arguments made before block 0")
+        return [h0, *arrays]
 
-    _, grads = mx.vjp(f, params, [cotangent])
+    _, grads = mx.vjp(f, params, cots)
     return dict(zip(names, grads))
 
 

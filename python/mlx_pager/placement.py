@@ -381,14 +381,20 @@ class Step:
     ahead: int = 1  # steps the frozen prefix may run ahead for (prefix.py; 1: none)
     # (producer, last consumer) per carry (carry.py): state a block passes
     # later ones, kept from its forward to the consumer's backward; no tail
-    # starts between the two where the producer is trained.
+    # starts between the two where the producer is trained. Producer -1
+    # (carry.PREFIX): made before block 0 by adapters outside the blocks,
+    # always trained.
     carries: List[Tuple[int, int]] = field(default_factory=list)
+
+    def trained(self, producer: int) -> bool:
+        """Whether a carry of `producer` has cotangents (carry.trained)."""
+        return producer < 0 or producer >= self.first_trained
 
     def tail_allowed(self, s: int) -> bool:
         """Whether a tail may start at s: no carry from a trained block
         crosses it (the paged step would run it as none; a frozen one's
         enters the tail as a constant)."""
-        return not any(self.first_trained <= p < s <= c for p, c in self.carries)
+        return not any(self.trained(p) and p < s <= c for p, c in self.carries)
 
     def micro_batches(self, parts: int) -> int:
         """Micro-batches per step when each batch is split into `parts`."""
@@ -440,7 +446,7 @@ def evaluate(
     # A trained producer's carries also have cotangents, summed from their
     # consumers' backward down to its own (step.py: pending), as large.
     carried = step.batches * sizes.carry(step.rows, length)
-    carried *= sum(1 for p, _ in step.carries if p < s) + sum(1 for p, _ in step.carries if first <= p < s)
+    carried *= sum(1 for p, _ in step.carries if p < s) + sum(1 for p, _ in step.carries if step.trained(p) and p < s)
     activations = checkpoints + held + max(work) + carried
     ahead = max(1, ahead) if first > 0 else 1
     waiting = (ahead - 1) * prefix_outputs(step, sizes, step.rows)

@@ -32,6 +32,7 @@ from . import attention, jit, kinds, placement, prefix, segment, step, stream, s
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
 from .memlimit import budget_or_default, memory_limit
+from .outside import prefix as outside_prefix
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_footprints, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -862,7 +863,8 @@ def _open_session(
         length=seq_len,
         # evaluation sweeps groups of up to 8 batches together (loop.evaluate)
         batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
-        carries=carries.pairs(),
+        # (and those adapters outside the blocks make: outside.Prefix)
+        carries=carries.pairs() + (outside_prefix(model).pairs() if training and first == 0 else []),
     )
     head_cap = args.head_chunk_bytes or 0  # (None: the head whole unless the plan chunks it)
     largest = _largest_weight_elems(weights)

@@ -199,6 +199,9 @@ class MicroBatch:
     # The carries a frozen prefix's sweep left for the blocks above it
     # (prefix_forward; carry.py), as {ref: value}.
     carried: dict = field(default_factory=dict)
+    # The call arguments adapters outside the blocks make before block 0,
+    # as carries ({ref: value}, outside.carry_prefix).
+    fed: dict = field(default_factory=dict)
     # Where a batch was split to fit: its rows, and this part's first row
     # (dropout.py draws the batch's masks and takes the part's rows).
     batch_rows: Optional[int] = None
@@ -221,6 +224,7 @@ class MicroBatch:
         """Fills h0 and calls (record_calls)."""
         self.h0, self.calls = record_calls(model, self.inputs)
         self.carries = Carries(self.calls)
+        self.fed = {}
         mx.eval(self.h0, [v for _, v in tree_flatten(self.calls) if isinstance(v, mx.array)])
 
     @staticmethod
@@ -364,7 +368,7 @@ def _graph_forward(model: nn.Module, mb: "MicroBatch", upto: int, context) -> di
     placeholders, unread; recording `mb` evaluated its embedding), each
     block run inside `context(layer)`; returns the carries they make
     ({ref: value})."""
-    extras, h = {}, mb.h0
+    extras, h = dict(mb.fed), mb.h0
     for i in range(upto):
         layer = model.layers[i]
         link = carry.link(mb.carries, i, extras)
@@ -638,6 +642,15 @@ def block_vjp(
     return grads[0], dict(zip(names, grads[1 + n :])), list(grads[1 : 1 + n])
 
 
+def _link_key(link: Optional[carry.Link]) -> tuple:
+    """What of a block's carries (carry.Link) shapes its compiled function:
+    those it takes, keeps, differentiates and is seeded with."""
+    if link is None:
+        return ()
+    seeds = tuple(s is not None for s in link.seeds) if link.seeds is not None else None
+    return (link.carries.takes(link.block), link.keep, link.learn, seeds)
+
+
 class Blocks:
     """Runs model.layers[i] forward and backward, each compiled with
     mx.compile once per block (as mlx-lm compiles its step, so elementwise
@@ -658,7 +671,7 @@ class Blocks:
 
         self.model, self.compile = model, compile
         # The compiled functions, per input shape (the hidden state's), for
-        # a bounded number of shapes (compiled.py): ("fwd", i), ("bwd", i),
+        # a bounded number of shapes (compiled.py): ("fwd", i, link), ("bwd", i, link),
         # and the tail's.
         self.fns = CompiledShapes(keep_shapes)
         self._extras: Dict[int, object] = {}  # block -> its kept outputs' template (carry.template)
@@ -720,7 +733,7 @@ class Blocks:
             # argument compile cannot take) fails before running anything;
             # running the block uncompiled raises any error of its own again.
             self.uncompiled[i] = one_line(e)
-            self.fns.discard(lambda name: name in (("fwd", i), ("bwd", i)))
+            self.fns.discard(lambda name: name[0] in ("fwd", "bwd") and name[1] == i)
             return None
 
     def forward(self, i: int, h: mx.array, call, key=None, link: Optional[carry.Link] = None):
@@ -746,7 +759,12 @@ class Blocks:
             shapes[i] = carry.template(extras, inputs)
             return [out, *carry.new_arrays(extras, inputs)]
 
-        fn = self.fns.get(tuple(h.shape), ("fwd", i), fwd)
+        # (Keyed by the carries it takes and keeps too: the compiled function
+        # fills them in from its closure's. An evaluation takes none where
+        # training takes what adapters outside the blocks make, carry.PREFIX:
+        # an evaluation's function, reused, ran training's blocks without
+        # their per-layer inputs.)
+        fn = self.fns.get(tuple(h.shape), ("fwd", i, _link_key(link)), fwd)
         params = layer.parameters()
         values = link.values if link is not None else []
         bare = link.carries.strip(i, call) if link is not None else call
@@ -780,7 +798,7 @@ class Blocks:
             g_h, g_p, g_c = block_vjp(layer, h, (args, kwargs), cotangent, lk, extra_cots)
             return g_h, [g_p[n] for n in names], g_c
 
-        fn = self.fns.get(tuple(h.shape), ("bwd", i), bwd)
+        fn = self.fns.get(tuple(h.shape), ("bwd", i, _link_key(link)), bwd)
         params = layer.parameters()
         values = link.values if link is not None else []
         seeds = link.seeds if link is not None and link.seeds is not None else [None] * len(values)
@@ -1023,13 +1041,17 @@ def paged_value_and_grad(
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
+        if first == 0:
+            # What adapters outside the blocks change in the blocks' call
+            # arguments besides h: carries made before block 0 (mb.fed).
+            outside.carry_prefix(model, mb)
     carries = micro_batches[0].carries
     if carries and carries.crosses(s_tail, first):
         s_tail = L  # (the planner never picks such a tail: placement.Step.tail_allowed)
     # Per micro-batch: the outputs later blocks take (carry.py), kept from
     # their producer's forward to their last consumer's backward; where the
     # prefix ran ahead, those it left for the blocks above it.
-    extras: List[Dict[carry.Ref, object]] = [mb.carried if start is not None else {} for mb in micro_batches]
+    extras: List[Dict[carry.Ref, object]] = [mb.carried if start is not None else dict(mb.fed) for mb in micro_batches]
     for mb in micro_batches:
         mb.carried = {}  # the step's now: forget() frees them as it goes
 
@@ -1191,9 +1213,12 @@ def paged_value_and_grad(
         if on_block is not None:
             on_block("backward", i)
     if first == 0 and outside.trains_prefix(model):
-        # dL/dh0 to the adapters that make the embedding output (outside.py).
+        # dL/dh0, and the cotangents of the call arguments they made
+        # (carry.PREFIX's), to the adapters that make the embedding output
+        # (outside.py).
         for m, mb in enumerate(micro_batches):
-            outside.add(grads, outside.prefix_grads(model, mb.inputs, cots[m]))
+            fed = {r: c for r, c in pending[m].items() if r[0] == carry.PREFIX}
+            outside.add(grads, outside.prefix_grads(model, mb.inputs, cots[m], fed))
             mx.eval(grads)
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
