@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 SAMPLE_DATA = Path(__file__).parent / "data" / "sample"
 MARKER = "mlx_pager_model.json"
@@ -83,11 +83,19 @@ class ModelSpec:
     # label). The size fields above are ignored, except vocab_size, which
     # sizes the tokenizer and must match config["vocab_size"] if present.
     config: Optional[dict] = None
+    # Parameters (full names) drawn at random, uniform in +-1/sqrt(last
+    # dimension) as nn.Linear draws its weights, where the architecture's own
+    # init would leave the output constant (talkie's bare head: zeros).
+    randomize: Tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         d = asdict(self)
         if d["config"] is None:
             del d["config"]  # specs without one keep the keys they always had
+        if not d["randomize"]:
+            del d["randomize"]  # (likewise)
+        else:
+            d["randomize"] = list(d["randomize"])
         return d
 
     def key(self) -> str:
@@ -189,6 +197,15 @@ def _make_module(spec: ModelSpec, cfg: dict) -> nn.Module:
 
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
+    if spec.randomize:
+        own = dict(tree_flatten(model.parameters()))
+        drawn = []
+        for name in spec.randomize:
+            if name not in own:
+                raise ValueError(f"randomize: the model has no parameter {name!r}")
+            scale = own[name].shape[-1] ** -0.5
+            drawn.append((name, mx.random.uniform(-scale, scale, own[name].shape)))
+        model.update(tree_unflatten(drawn))
     dtype = getattr(mx, spec.dtype)
     model.set_dtype(dtype)
     if spec.bits is not None:

@@ -280,7 +280,9 @@ def prefix_grads(model: nn.Module, inputs: mx.array, cotangent: mx.array, fed=No
         arrays = _fed(calls, feeds)[0] if feeds else []
         if len(arrays) != len(fed):
             raise RuntimeError(f"{len(fed)} cotangents for {len(arrays)} call arguments made before block 0")
-        return [h0, *arrays]
+        # (MLX's vjp takes one cotangent per distinct output array: an
+        # argument that is h0 itself, talkie's e_x, goes out as a copy.)
+        return [h0, *(v + 0 if v is h0 else v for v in arrays)]
 
     _, grads = mx.vjp(f, params, cots)
     return dict(zip(names, grads))

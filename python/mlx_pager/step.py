@@ -61,17 +61,29 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+# Block class -> the position of the argument its hidden state comes in,
+# where it is not the first (talkie: block(e_x, x, mask, cache)): found by
+# record_calls.
+_HIDDEN_AT: Dict[type, int] = {}
+
+
+def _hidden_at(layer) -> int:
+    return _HIDDEN_AT.get(type(layer), 0)
+
+
 def _hidden_param(layer) -> Optional[str]:
     """The name of the parameter a block takes its hidden state in (the first
-    one of its __call__), for blocks the model calls by keyword (gptj:
-    ``block(inputs=h, mask=..., cache=...)``)."""
+    one of its __call__, or the one _HIDDEN_AT names), for blocks the model
+    calls by keyword (gptj: ``block(inputs=h, mask=..., cache=...)``)."""
     try:
         params = list(inspect.signature(type(layer).__call__).parameters.values())[1:]
     except (TypeError, ValueError):
         return None
+    at = _hidden_at(layer)
     return (
-        params[0].name
-        if params and params[0].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        params[at].name
+        if len(params) > at
+        and params[at].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         else None
     )
 
@@ -79,9 +91,10 @@ def _hidden_param(layer) -> Optional[str]:
 def _split_call(layer, args, kwargs):
     """(hidden state, other args, other kwargs) of a call to a block, whether
     the hidden state came positionally or by keyword. run_block calls the
-    block back with the hidden state first: the same call."""
-    if args:
-        return args[0], args[1:], kwargs
+    block back with the hidden state where it was: the same call."""
+    at = _hidden_at(layer)
+    if len(args) > at:
+        return args[at], args[:at] + args[at + 1 :], kwargs
     name = _hidden_param(layer)
     if name is None or name not in kwargs:
         raise NotPageable(
@@ -136,20 +149,25 @@ class _Pass:
 
 class _Record(_Pass):
     """Stands in for block `index`: records how it was called as
-    ``calls[index] = (x, args, kwargs)`` and passes x on. ``order`` (when
-    given) gets the index of each call, so that record_calls can check the blocks
-    are called once each, in order."""
+    ``calls[index] = (x, args, kwargs)`` (and as called, ``raws[index] =
+    (args, kwargs)``) and returns a new array of x's value in its place
+    (``outs[index]``: where the next block takes it tells which argument
+    carries the hidden state; never evaluated). ``order`` gets the index of
+    each call, so that record_calls can check the blocks are called once
+    each, in order."""
 
-    def __init__(self, layer, index: int, calls: list, order: Optional[list] = None, outputs: int = 1):
+    def __init__(self, layer, index: int, calls: list, order: list, outs: list, raws: list, outputs: int = 1):
         super().__init__(layer, index, outputs)
-        self._calls, self._order = calls, order
+        self._calls, self._order, self._outs, self._raws = calls, order, outs, raws
 
     def __call__(self, *args, **kwargs):
+        self._raws[self._index] = (args, kwargs)
         x, args, kwargs = _split_call(self._layer, args, kwargs)
         self._calls[self._index] = (x, args, kwargs)
-        if self._order is not None:
-            self._order.append(self._index)
-        return self._result(x)
+        self._order.append(self._index)
+        out = x + 0 if isinstance(x, mx.array) else x
+        self._outs[self._index] = out
+        return self._result(out)
 
 
 class _Emit(_Pass):
@@ -258,7 +276,7 @@ def split_batch(batch: mx.array, lengths: mx.array, parts: int, shared_norm: boo
     return out
 
 
-def _sequence_problem(arch: str, calls: list, order: List[int]) -> Optional[str]:
+def _sequence_problem(arch: str, calls: list, order: List[int], outs: list) -> Optional[str]:
     """Why a recording's calls cannot be paged (None: they can): the
     blocks must be called once each, in order, the output of one the input
     of the next."""
@@ -278,12 +296,30 @@ def _sequence_problem(arch: str, calls: list, order: List[int]) -> Optional[str]
             why = "calls its blocks out of order"
         return f"{arch}: the forward pass {why}; mlx-pager pages blocks called once each, in order"
     for i in range(1, L):
-        if calls[i][0] is not calls[i - 1][0]:
+        if calls[i][0] is not outs[i - 1]:
             return (
                 f"{arch}: the forward pass changes the hidden state between blocks {i - 1} and {i} "
                 "(or uses a block's output otherwise), so blocks cannot be run one after the other"
             )
     return None
+
+
+def _find_hidden(model: nn.Module, outs: list, raws: list) -> bool:
+    """Where block 1 takes block 0's output (`outs`, the stand-ins') in
+    another positional argument than the one its hidden state was taken
+    from (talkie: block(e_x, x, mask, cache), its embedding output first),
+    that argument's position for every block class of the model
+    (_HIDDEN_AT); False where there is nothing to change."""
+    layers = model.layers
+    if len(layers) < 2 or raws[1] is None or outs[0] is None:
+        return False
+    args, kwargs = raws[1]
+    at = [j for j, a in enumerate(args) if a is outs[0]]
+    if len(at) != 1 or any(v is outs[0] for v in kwargs.values()) or at[0] == _hidden_at(layers[1]):
+        return False
+    for layer in layers:
+        _HIDDEN_AT[type(layer)] = at[0]
+    return True
 
 
 def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = False, **kwargs):
@@ -304,14 +340,21 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     arch = architecture(model)
     saved = [(c, _attributes(c)) for c in _cache_objects(kwargs.get("cache"))]
     problem = None  # the first try's: what it raised, or why its calls cannot be paged
+
+    def record(n: int):
+        calls, order, outs, raws = [None] * L, [], [None] * L, [None] * L
+        with stand_ins(model, lambda i, l: _Record(l, i, calls, order, outs, raws, outputs=n)):
+            model(inputs, **kwargs)  # the logits of this pass are never evaluated
+        return calls, _sequence_problem(arch, calls, order, outs), outs, raws
+
     # Blocks return the hidden state, or a tuple of it and more (the model
     # unpacks as many as its blocks return): the count last found first.
     for n in dict.fromkeys([_outputs(model), *range(1, _MAX_OUTPUTS + 1)]):
-        calls, order = [None] * L, []
         try:
-            with stand_ins(model, lambda i, l, c=calls, o=order, n=n: _Record(l, i, c, o, outputs=n)):
-                model(inputs, **kwargs)  # the logits of this pass are never evaluated
-            why = _sequence_problem(arch, calls, order)
+            calls, why, outs, raws = record(n)
+            if why is not None and _find_hidden(model, outs, raws):
+                _restore(saved)
+                calls, why, outs, raws = record(n)  # the hidden state where it is
         except NotPageable:
             raise
         except Exception as e:
@@ -331,16 +374,14 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
     _OUTPUTS[type(model)] = n
     owner = {}
     for i, (x, args, kwargs) in enumerate(calls):
-        if any(v is x for v in carry.leaves((args, kwargs))):
-            # (talkie: block(e_x, x, ...), the hidden state second, its
-            # embedding output first; block 0 takes h0 as both. Run as
-            # block(h, *call), every block would take the running state as
-            # its first argument and h0 as its second: wrong math, found by
-            # its gradients once its generated head was not zeros.)
+        if i > 0 and any(v is x for v in carry.leaves((args, kwargs))):
+            # (Recorded, the second place would hold the stand-in's output,
+            # not the state the paged step runs the block on. Block 0 may
+            # take h0 twice: talkie's e_x is its embedding output, a
+            # constant of every block's call.)
             raise NotPageable(
-                f"{arch}: block {i} is passed its hidden state twice (or the first argument is not the hidden "
-                "state), so mlx-pager cannot tell which one the blocks carry; it pages blocks that take the "
-                "hidden state as their first argument only"
+                f"{arch}: block {i} is passed its hidden state twice, so it cannot run on its own "
+                "(mlx-pager passes each block the hidden state in one argument)"
             )
         for _, v in tree_flatten((args, kwargs)):
             if v is None or isinstance(v, (mx.array, bool, int, float, str)):
@@ -433,7 +474,11 @@ def run_block(layer: nn.Module, h: mx.array, call, keep: Tuple[int, ...] = ()):
     outputs it returns. With `keep` (output indices, carry.Carries.keep):
     (hidden state, [those outputs]), what later blocks take from it."""
     args, kwargs = call
-    out = layer(h, *args, **kwargs)
+    at = _hidden_at(layer)
+    if at <= len(args):
+        out = layer(*args[:at], h, *args[at:], **kwargs)
+    else:  # (called by keyword)
+        out = layer(*args, **{_hidden_param(layer): h}, **kwargs)
     several = isinstance(out, (tuple, list)) and out and isinstance(out[0], mx.array)
     first = out[0] if several else out
     if not isinstance(first, mx.array):
