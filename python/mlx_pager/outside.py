@@ -23,8 +23,8 @@ their adapters; the paged step differentiates them where they are used:
            carries made before block 0 (carry.PREFIX, carry_prefix): each
            block's vjp differentiates its own, their cotangents are summed
            as carries' are (carry.py), and the same vjp up to block 0 takes
-           them beside dL/dh0. No tail segment starts above block 0 then
-           (placement.Step.tail_allowed): every block is recomputed.
+           them beside dL/dh0. No tail segment runs then, not even one from
+           block 0 (placement.Step.tail_allowed): every block is recomputed.
 
 Each gives every such parameter a gradient (zeros where unused, as MLX's
 autodiff gives them), and the step sums them: with one head chunk and one
@@ -196,10 +196,12 @@ def prefix(model: nn.Module) -> Prefix:
         for k, v in tree_flatten(model.parameters())
         if id(v) not in inside and k not in taken and mx.issubdtype(v.dtype, mx.floating)
     ]
+    # (One random row broadcast to each one's shape: a random table the size
+    # of an embedding's is computed whole where the derivative takes rows of
+    # it, ~3x the table at its peak, 2.4 GB for a Gemma 4 E2B's.)
     fkeys = mx.random.split(mx.random.key(1), max(1, len(fixed)))
-    model.update(
-        tree_unflatten([(k, mx.random.normal(v.shape, key=r).astype(v.dtype)) for (k, v), r in zip(fixed, fkeys)])
-    )
+    rows = [mx.random.normal(v.shape[-1:], key=r).astype(v.dtype) for (_, v), r in zip(fixed, fkeys)]
+    model.update(tree_unflatten([(k, mx.broadcast_to(row, v.shape)) for (k, v), row in zip(fixed, rows)]))
     try:
         _, tans = mx.jvp(f, primals, tangents)
     finally:

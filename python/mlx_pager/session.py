@@ -1102,7 +1102,11 @@ def _open_session(
         ceiling = placement.evaluate(shape, sizes, L, 1, ahead=shape.ahead)
     # The whole tail's working set (one sequence), measured rather than
     # guessed (--grad-checkpoint: no tail to measure).
-    tail_measurable = training and first < L and ceiling is None and not carries.crosses(first)
+    # (Not where carries from below cross `first`, nor where no tail may
+    # start there: carries made before block 0, outside.carry_prefix.)
+    tail_measurable = (
+        training and first < L and ceiling is None and not carries.crosses(first) and shape.tail_allowed(first)
+    )
 
     def probe_tail(room=None):
         # On one sequence, then on as many of a batch's as the estimate
@@ -1143,11 +1147,8 @@ def _open_session(
             )
         if tail_measurable:
             probe_tail()  # nothing caps the memory here
-        fastest = (
-            ceiling
-            if ceiling is not None
-            else placement.evaluate(shape, sizes, shape.first_trained, 1, ahead=shape.ahead)
-        )
+        lowest = next(t for t in range(shape.first_trained, L + 1) if shape.tail_allowed(t))  # (L always is)
+        fastest = ceiling if ceiling is not None else placement.evaluate(shape, sizes, lowest, 1, ahead=shape.ahead)
         plan.activations = fastest.activations
         plan.budget = plan.fixed + page_cap
         plan.margin = Governor.margin_for(plan.budget)

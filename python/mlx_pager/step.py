@@ -347,6 +347,7 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
             model(inputs, **kwargs)  # the logits of this pass are never evaluated
         return calls, _sequence_problem(arch, calls, order, outs), outs, raws
 
+    before = dict(_HIDDEN_AT)
     # Blocks return the hidden state, or a tuple of it and more (the model
     # unpacks as many as its blocks return): the count last found first.
     for n in dict.fromkeys([_outputs(model), *range(1, _MAX_OUTPUTS + 1)]):
@@ -356,11 +357,15 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
                 _restore(saved)
                 calls, why, outs, raws = record(n)  # the hidden state where it is
         except NotPageable:
+            _HIDDEN_AT.clear()
+            _HIDDEN_AT.update(before)
             raise
         except Exception as e:
             why = e
         if why is None:
             break
+        _HIDDEN_AT.clear()  # (where it was not what was wrong: as it was)
+        _HIDDEN_AT.update(before)
         problem = problem or why
         _restore(saved)  # the try's changes to the caches undone
     else:
@@ -719,7 +724,9 @@ class Blocks:
         # a bounded number of shapes (compiled.py): ("fwd", i, link), ("bwd", i, link),
         # and the tail's.
         self.fns = CompiledShapes(keep_shapes)
-        self._extras: Dict[int, object] = {}  # block -> its kept outputs' template (carry.template)
+        # (block, _link_key) -> its kept outputs' template (carry.template),
+        # as the compiled function of that key was traced
+        self._extras: Dict[tuple, object] = {}
         self.uncompiled: Dict[int, str] = {}  # block -> why it runs uncompiled (mx.compile failed, run_uncompiled)
         # Forward blocks in parts that ran bound whole (their pages all
         # acquired before the block's graphs and held to their end: several
@@ -791,6 +798,7 @@ class Blocks:
                 return run_linked(layer, h, call, link)
         shapes = self._extras
         carries = link.carries if link is not None else None  # (not the link: its values are this call's)
+        name = ("fwd", i, _link_key(link))
 
         def fwd(h, params, values, args, kwargs):
             layer.update(params)
@@ -801,7 +809,7 @@ class Blocks:
             # A compiled function returns arrays only, and a copy of an
             # input it passes through: the template keeps both apart.
             inputs = carry.array_leaves(values)
-            shapes[i] = carry.template(extras, inputs)
+            shapes[name[1:]] = carry.template(extras, inputs)
             return [out, *carry.new_arrays(extras, inputs)]
 
         # (Keyed by the carries it takes and keeps too: the compiled function
@@ -809,7 +817,7 @@ class Blocks:
         # training takes what adapters outside the blocks make, carry.PREFIX:
         # an evaluation's function, reused, ran training's blocks without
         # their per-layer inputs.)
-        fn = self.fns.get(tuple(h.shape), ("fwd", i, _link_key(link)), fwd)
+        fn = self.fns.get(tuple(h.shape), name, fwd)
         params = layer.parameters()
         values = link.values if link is not None else []
         bare = link.carries.strip(i, call) if link is not None else call
@@ -821,7 +829,7 @@ class Blocks:
             return run_linked(layer, h, call, link)
         if not keep:
             return out
-        return out[0], carry.with_array_leaves(self._extras[i], out[1:], carry.array_leaves(values))
+        return out[0], carry.with_array_leaves(self._extras[name[1:]], out[1:], carry.array_leaves(values))
 
     def vjp(
         self, i: int, h: mx.array, call, cotangent: mx.array, key=None, link: Optional[carry.Link] = None, extra_cots=()

@@ -94,7 +94,9 @@ def _outside_modules(path):
         # (carries made before block 0); the embedding output's three uses
         # sum in another order (test_adapters_that_feed_the_blocks_...)
         ("gemma4_text", "model.embed_tokens."),
-        ("talkie", None),  # every block takes the embedding output too (its hidden state second)
+        # every block takes the embedding output too (its hidden state
+        # second), which is h0 itself: its uses sum in another order
+        ("talkie", "model.embed."),
     ],
 )
 def test_every_module_outside_the_blocks_is_trained_as_mlx_lm_trains_it(tmp_path, arch, rounded):
@@ -274,15 +276,19 @@ def test_adapters_that_feed_the_blocks_train_and_evaluate_as_mlx_lm_s(tmp_path):
     """gemma4_text's embedding adapter (which changes every block's per-layer
     input) through the CLIs: mlx_lm.lora and mlx-pager lora train it 2 steps
     alike (their gradients within float rounding: test_adapters_that_feed_...;
-    Adam's steps within 1e-2 relative), and --test alone
+    the adapters within 1e-4 relative, measured 1e-7), and --test alone
     (nothing differentiated) gives mlx-lm's test loss with mlx-lm's
-    adapters."""
+    adapters. Found two silent bugs: an evaluation's compiled block (no
+    carries) reused by training, which then ran without the per-layer inputs
+    (62% off after one step); and, at session open, the frozen weights'
+    placeholders hiding what the adapters change (per_layer_model_projection's
+    left untrained)."""
     import re
 
     from test_lora_cli import ANSI, cli
 
     path = A.build("gemma4_text", "fp32", tmp_path / "models")
-    keys = "[self_attn.q_proj, model.embed_tokens]"
+    keys = "[self_attn.q_proj, model.embed_tokens, model.per_layer_model_projection]"
     (tmp_path / "c.yaml").write_text(f"lora_parameters: {{rank: 4, scale: 20.0, dropout: 0.0, keys: {keys}}}\n")
     data = ["--data", modelgen.SAMPLE_DATA, "--batch-size", 2, "--num-layers", 2]
     run = ["--model", path, "--train", "--iters", 2, "-c", tmp_path / "c.yaml", *data]
@@ -297,9 +303,6 @@ def test_adapters_that_feed_the_blocks_train_and_evaluate_as_mlx_lm_s(tmp_path):
     )
     assert set(ref) == set(got) and any(k.startswith(EMBED) for k in got)
     for k in ref:
-        # (Adam's first steps move each entry by about the learning rate
-        # whatever its gradient's size: a gradient near zero whose rounding
-        # differs moves it as much. lora_b, zeros before: 3e-3 relative.)
         assert mx.linalg.norm((ref[k] - got[k]).flatten()).item() <= 1e-4 * mx.linalg.norm(ref[k].flatten()).item(), k
     flags = ["--model", path, "--test", "--test-batches", 3, *data, "--adapter-path", tmp_path / "ad"]
     ref = cli("mlx_lm", *flags)
