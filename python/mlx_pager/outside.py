@@ -240,17 +240,16 @@ def _fed(calls, feeds) -> Tuple[List[mx.array], Dict[Tuple[int, int], int]]:
     return arrays, index
 
 
-def carry_prefix(model: nn.Module, mb) -> Dict[carry.Ref, mx.array]:
+def carry_prefix(model: nn.Module, mb) -> None:
     """Where the adapters outside the blocks change block call arguments
     (Prefix.feeds), `mb`'s recorded calls (step.MicroBatch) take them as
     carries of a producer before block 0 (carry.PREFIX: the step
     differentiates them in each consumer's vjp and sums their cotangents,
-    carry.py); returns {ref: value}, which the step keeps beside the
-    micro-batch's other carries, and sets as mb.fed ({} where there is
-    none)."""
+    carry.py), their values as mb.fed ({ref: value}), which the step keeps
+    beside the micro-batch's other carries."""
     feeds = prefix(model).feeds
     if not feeds:
-        return {}
+        return
     arrays, index = _fed(mb.calls, feeds)
     put = {}
     for i, j in feeds:
@@ -258,7 +257,6 @@ def carry_prefix(model: nn.Module, mb) -> Dict[carry.Ref, mx.array]:
     mb.calls = [carry.map_leaves(c, lambda j, v, p=put.get(i, {}): p.get(j, v)) for i, c in enumerate(mb.calls)]
     mb.carries = carry.Carries(mb.calls)
     mb.fed = {(carry.PREFIX, k + 1): v for k, v in enumerate(arrays)}
-    return mb.fed
 
 
 def prefix_grads(model: nn.Module, inputs: mx.array, cotangent: mx.array, fed=None) -> Dict[str, mx.array]:

@@ -29,10 +29,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import attention, jit, kinds, placement, prefix, segment, step, stream, swapcache
+from . import outside as out  # (adapters outside the blocks; `outside` names bytes here)
 from .budget import CACHE_SLACK, BudgetError, MemoryPlan, format_size, parse_size
 from .governor import Governor, outside_mlx, process_rss, release_heap
 from .memlimit import budget_or_default, memory_limit
-from .outside import prefix as outside_prefix
 from .store import MAX_PAGE_PARTS, PAGE_PART_BYTES, PagedWeights, block_footprints, block_prefixes
 
 # Parameter, gradient, accumulated gradient (+ optimizer moments, below).
@@ -664,8 +664,6 @@ def init_dora_magnitudes(model, weights: PagedWeights, first: int):
     the same way with each block paged in."""
     from mlx_lm.tuner.dora import DoRAEmbedding, DoRALinear
 
-    from . import outside as out
-
     # Outside the blocks (outside.py: the head's, the embeddings'), the
     # weights are the resident page's, pinned by now: mlx-lm's own code.
     for _, d in out.modules(model):
@@ -864,7 +862,7 @@ def _open_session(
         # evaluation sweeps groups of up to 8 batches together (loop.evaluate)
         batches=args.grad_accumulation_steps if training else max(8, args.grad_accumulation_steps),
         # (and those adapters outside the blocks make: outside.Prefix)
-        carries=carries.pairs() + (outside_prefix(model).pairs() if training and first == 0 else []),
+        carries=carries.pairs() + (out.prefix(model).pairs() if training and first == 0 else []),
     )
     head_cap = args.head_chunk_bytes or 0  # (None: the head whole unless the plan chunks it)
     largest = _largest_weight_elems(weights)
