@@ -793,12 +793,40 @@ def _repair(mod, cfg: dict, layers: int) -> dict:
 
 
 # ------------------------------------------------------------------ building --
-# Parameters an architecture initialises so that the model's output is
-# constant (a head of zeros): drawn at random instead (modelgen.ModelSpec's
-# `randomize`), or every gradient of the tiny model is zero and proves
-# nothing (compare refuses that).
+# Parameters an architecture initialises to zeros where a trained model's
+# are not, drawn at random instead (modelgen.ModelSpec's `randomize`):
+# - a head of zeros makes the output constant: every gradient of the tiny
+#   model is zero and proves nothing (compare refuses that);
+# - a MoE router of zeros (MoEGate's mx.zeros) scores every expert alike, so
+#   every token goes to the same top-k experts: the matrix would never see
+#   tokens spread over experts (gather_mm/gather_qmm with their sort), as a
+#   trained router spreads them;
+# - rwkv7's output GroupNorm of zero weight leaves the attention's output
+#   nothing but its bias.
+_ROUTER = ("*mlp.gate.weight",)
 RANDOMIZE: Dict[str, Tuple[str, ...]] = {
     "talkie": ("lm_head",),  # a bare parameter, mx.zeros at init
+    **{
+        mt: _ROUTER
+        for mt in (
+            "bailing_moe_v3",
+            "deepseek",
+            "deepseek_v2",
+            "deepseek_v3",
+            "deepseek_v32",
+            "dots1",
+            "exaone_moe",
+            "glm4_moe",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "kimi_k25",
+            "kimi_vl",
+            "mimo_v2_flash",
+            "solar_open",
+        )
+    },
+    "nemotron_h": ("*mixer.gate.weight",),
+    "rwkv7": ("*attn.g_norm.weight",),
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fnmatch
 import hashlib
 import io
 import json
@@ -83,9 +84,12 @@ class ModelSpec:
     # label). The size fields above are ignored, except vocab_size, which
     # sizes the tokenizer and must match config["vocab_size"] if present.
     config: Optional[dict] = None
-    # Parameters (full names) drawn at random, uniform in +-1/sqrt(last
-    # dimension) as nn.Linear draws its weights, where the architecture's own
-    # init would leave the output constant (talkie's bare head: zeros).
+    # Parameters drawn at random, uniform in +-1/sqrt(last dimension) as
+    # nn.Linear draws its weights, where the architecture's own init would
+    # leave the output constant (talkie's bare head: zeros) or tie what a
+    # trained model spreads (a MoE router of zeros sends every token to the
+    # same experts). Full names, or fnmatch patterns ("*.mlp.gate.weight");
+    # each must match a parameter.
     randomize: Tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
@@ -200,11 +204,13 @@ def _make_module(spec: ModelSpec, cfg: dict) -> nn.Module:
     if spec.randomize:
         own = dict(tree_flatten(model.parameters()))
         drawn = []
-        for name in spec.randomize:
-            if name not in own:
-                raise ValueError(f"randomize: the model has no parameter {name!r}")
-            scale = own[name].shape[-1] ** -0.5
-            drawn.append((name, mx.random.uniform(-scale, scale, own[name].shape)))
+        for pattern in spec.randomize:
+            names = [n for n in own if fnmatch.fnmatchcase(n, pattern)]
+            if not names:
+                raise ValueError(f"randomize: the model has no parameter {pattern!r}")
+            for name in names:
+                scale = own[name].shape[-1] ** -0.5
+                drawn.append((name, mx.random.uniform(-scale, scale, own[name].shape)))
         model.update(tree_unflatten(drawn))
     dtype = getattr(mx, spec.dtype)
     model.set_dtype(dtype)

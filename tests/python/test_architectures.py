@@ -146,6 +146,26 @@ def test_architecture_s_largest_block_is_among_the_kinds_measured(arch_root, mod
         assert max(took[i] for i in measured) >= 0.8 * max(took[first:]), (first, measured, took)
 
 
+def test_no_generated_weight_matrix_or_head_is_zeros(arch_root):
+    """A matrix of zeros where a trained model's is not (a MoE router:
+    every token to the same experts; a bare head: a constant output) hides
+    what the matrix is there to see. architectures.RANDOMIZE draws those;
+    a new architecture that needs it fails here by name."""
+    from mlx_lm.utils import load_model
+
+    zeros = []
+    for mt in A.model_types():
+        if A.RECORDED.get(mt, {}).get("fp32") != "pass":
+            continue
+        model, _ = load_model(A.build(mt, "fp32", arch_root), lazy=True)
+        zeros += [
+            f"{mt}: {name}"
+            for name, v in tree_flatten(model.parameters())
+            if v.ndim == 2 and name.endswith(("weight", "lm_head")) and not mx.any(v).item()
+        ]
+    assert not zeros, zeros
+
+
 def test_every_recorded_pass_is_still_an_architecture():
     """A recorded pass cannot silently drop out of the matrix."""
     gone = [mt for mt, d in A.RECORDED.items() if "pass" in d.values() and mt not in A.model_types()]

@@ -43,6 +43,23 @@ def test_sharded_and_cached(tmp_path):
     mlx_lm.load(str(path))
 
 
+def test_randomize_draws_the_parameters_a_name_or_pattern_matches(tmp_path):
+    """`randomize` takes full names and fnmatch patterns; the parameters
+    they match are drawn, the rest keep the architecture's init, and a
+    pattern that matches nothing is an error that names it."""
+    spec = modelgen.ModelSpec(num_hidden_layers=2, bits=None, randomize=("*.input_layernorm.weight",))
+    model, _ = mlx_lm.load(str(modelgen.generate_model(tmp_path / "m", spec)))
+    for layer in model.model.layers:
+        w = layer.input_layernorm.weight
+        assert not mx.array_equal(w, mx.ones_like(w)).item()  # RMSNorm's init: ones
+        assert mx.abs(w).max().item() <= w.shape[-1] ** -0.5
+        w = layer.post_attention_layernorm.weight
+        assert mx.array_equal(w, mx.ones_like(w)).item()
+    bad = modelgen.ModelSpec(num_hidden_layers=2, bits=None, randomize=("*.no_such.weight",))
+    with pytest.raises(ValueError, match=r"no parameter '\*\.no_such\.weight'"):
+        modelgen.generate_model(tmp_path / "bad", bad)
+
+
 def test_the_trained_tokenizer_cache_goes_with_the_process(tmp_path):
     """tokenizer_files trains once per process into a temporary directory;
     the directory does not outlive the process (test runs make thousands)."""
