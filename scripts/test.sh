@@ -75,9 +75,18 @@ if [ "$(uname -s)" = Linux ] && [ $# -eq 0 ]; then
   asan_rt="$(readlink -f "$("$cxx" -print-file-name=libasan.so)")"
   stdcxx="$(readlink -f "$("$cxx" -print-file-name=libstdc++.so.6)")"
   [ -f "$asan_rt" ] && [ -f "$stdcxx" ] || { echo "no ASan runtime found for $cxx"; exit 1; }
+  # Left to the plain run below: parametrizations that repeat a path the
+  # others cover (the slow part is MLX's 4-bit CPU products, not what ASan
+  # checks: under ASan these took 57 of the step's 247 s).
+  asan_skip=(
+    "--deselect=tests/python/test_step.py::test_tail_segment_is_bitwise_mlx_lm_at_every_start[qwen2-4]"
+    "--deselect=tests/python/test_step.py::test_tail_segment_is_bitwise_mlx_lm_at_every_start[qwen3-4]"
+    "--deselect=tests/python/test_prefix.py::test_running_ahead_gives_mlx_lm_adapters[qwen3-4-float32-2]"
+  )
   (cd tests/python && ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=64 UBSAN_OPTIONS=print_stacktrace=1 PYTHONPATH="$(cd "../../$dir/pkg" && pwd)" \
     LD_PRELOAD="$asan_rt:$stdcxx${BLAS:+:$BLAS}" \
-    "$PY" -m pytest -q -p no:cacheprovider --capture=sys test_core.py test_step.py test_prefix.py test_store.py)
+    "$PY" -m pytest -q -p no:cacheprovider --capture=sys test_core.py test_step.py test_prefix.py test_store.py \
+    "${asan_skip[@]}")
 fi
 
 step "Python tests"
