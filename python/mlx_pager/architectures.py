@@ -802,7 +802,15 @@ def _repair(mod, cfg: dict, layers: int) -> dict:
 #   tokens spread over experts (gather_mm/gather_qmm with their sort), as a
 #   trained router spreads them;
 # - rwkv7's output GroupNorm of zero weight leaves the attention's output
-#   nothing but its bias.
+#   nothing but its bias; its token-shift mixes (x_r, ..., ffn.x_k) of
+#   zeros leave the previous token unused, and with it the shift state a
+#   prompt cache carries; its k_k, k_a and r_k of zeros turn off the
+#   key normalisation and the bonus term;
+# - baichuan_m1's key and value convolutions over time (conv_k, conv_v)
+#   of zeros make every key and value zero: uniform attention, the
+#   attention's q/k/v adapters without a gradient, and the convolution
+#   state a prompt cache carries unused;
+# - gpt_oss's attention sinks of zeros.
 _ROUTER = ("*mlp.gate.weight",)
 RANDOMIZE: Dict[str, Tuple[str, ...]] = {
     "talkie": ("lm_head",),  # a bare parameter, mx.zeros at init
@@ -826,7 +834,9 @@ RANDOMIZE: Dict[str, Tuple[str, ...]] = {
         )
     },
     "nemotron_h": ("*mixer.gate.weight",),
-    "rwkv7": ("*attn.g_norm.weight",),
+    "rwkv7": ("*attn.g_norm.weight", "*attn.x_?", "*ffn.x_k", "*attn.k_k", "*attn.k_a", "*attn.r_k"),
+    "baichuan_m1": ("*self_attn.conv_k", "*self_attn.conv_v"),
+    "gpt_oss": ("*self_attn.sinks",),
 }
 
 
