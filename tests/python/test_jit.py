@@ -52,3 +52,21 @@ def test_a_session_under_a_tight_limit_runs_its_step_uncompiled(models, tmp_path
     # for the session only
     assert seen.disabled == (not gpu) and not seen.session.compile_disabled
     assert tight.train_losses == roomy.train_losses
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="the CPU backend's compiler")
+def test_the_uncompiled_note_says_what_it_costs_muon(models, tmp_path, monkeypatch, capsys):
+    """With mx.compile off the optimizer update is uncompiled too: the same
+    bits for Adam, not for Muon (its bf16 Newton-Schulz: docs/design.md).
+    The run's Note says so where the optimizer is Muon, and only there."""
+    from test_session import run_one_step
+
+    model = models("llama", None)
+    monkeypatch.setattr(jit, "memory_limit", lambda: 10**9 + jit.COMPILER_BYTES - 1)
+    notes = {}
+    for opt in ("adam", "muon"):
+        run_one_step(model, tmp_path, opt, memory_budget="1GB", optimizer=opt, quiet=False)
+        out = " ".join(capsys.readouterr().out.split())  # (the console wraps its lines)
+        notes[opt] = out.split("Note: ")[1:]
+    assert notes["adam"] and "runs uncompiled" in notes["adam"][0] and "Muon" not in notes["adam"][0]
+    assert notes["muon"] and "the Muon update then differs from mlx_lm.lora's in the last bits" in notes["muon"][0]
