@@ -804,8 +804,9 @@ def _repair(mod, cfg: dict, layers: int) -> dict:
 # - rwkv7's output GroupNorm of zero weight leaves the attention's output
 #   nothing but its bias; its token-shift mixes (x_r, ..., ffn.x_k) of
 #   zeros leave the previous token unused, and with it the shift state a
-#   prompt cache carries; its k_k, k_a and r_k of zeros turn off the
-#   key normalisation and the bonus term;
+#   prompt cache carries; its k_k of zeros makes the normalised key (the
+#   state's removal term) zero, k_a leaves the in-context learning rate
+#   out of the key, and r_k drops the bonus term;
 # - baichuan_m1's key and value convolutions over time (conv_k, conv_v)
 #   of zeros make every key and value zero: uniform attention, the
 #   attention's q/k/v adapters without a gradient, and the convolution
