@@ -72,6 +72,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from . import carry
+
 # Relative cost of a step's parts, in forward passes of one block: a frozen
 # block's backward (input gradients through the frozen weights, the
 # adapters' gradients) costs about one forward, and a recomputed block one
@@ -388,7 +390,7 @@ class Step:
 
     def trained(self, producer: int) -> bool:
         """Whether a carry of `producer` has cotangents (carry.trained)."""
-        return producer < 0 or producer >= self.first_trained
+        return carry.trained(producer, self.first_trained)
 
     def tail_allowed(self, s: int) -> bool:
         """Whether a tail may start at s: no carry from a trained block

@@ -1249,7 +1249,7 @@ def _open_session(
     if uncompiled_tail is not None and training:
         # (Muon's bf16 Newton-Schulz gives other bits compiled: docs/design.md)
         muon = "; the Muon update then differs from mlx_lm.lora's in the last bits"
-        say(f"Note: {uncompiled_tail}{muon if str(getattr(args, 'optimizer', '')).lower() == 'muon' else ''}.")
+        say(f"Note: {uncompiled_tail}{muon if args.optimizer.lower() == 'muon' else ''}.")
     io = weights.pager.stats()
     if io["buffered_files"]:
         say(

@@ -348,6 +348,11 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
         return calls, _sequence_problem(arch, calls, order, outs), outs, raws
 
     before = dict(_HIDDEN_AT)
+
+    def hidden_as_before():
+        _HIDDEN_AT.clear()
+        _HIDDEN_AT.update(before)
+
     # Blocks return the hidden state, or a tuple of it and more (the model
     # unpacks as many as its blocks return): the count last found first.
     for n in dict.fromkeys([_outputs(model), *range(1, _MAX_OUTPUTS + 1)]):
@@ -357,15 +362,13 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
                 _restore(saved)
                 calls, why, outs, raws = record(n)  # the hidden state where it is
         except NotPageable:
-            _HIDDEN_AT.clear()
-            _HIDDEN_AT.update(before)
+            hidden_as_before()
             raise
         except Exception as e:
             why = e
         if why is None:
             break
-        _HIDDEN_AT.clear()  # (where it was not what was wrong: as it was)
-        _HIDDEN_AT.update(before)
+        hidden_as_before()  # (where it was not what was wrong: as it was)
         problem = problem or why
         _restore(saved)  # the try's changes to the caches undone
     else:
