@@ -328,29 +328,6 @@ def check_blocks_unpatched(model) -> None:
             )
 
 
-def check_adapter_keys(model, lora_parameters: dict) -> None:
-    """Refuses, before anything is paged, lora_parameters keys that put
-    adapters outside the transformer blocks (mlx-lm's linear_to_lora_layers
-    also adapts any module of the whole model whose full name is a key:
-    lm_head, model.embed_tokens) where the paged step cannot train them as
-    mlx-lm does: with an active dropout (outside.py). Without dropout they
-    train (outside.py)."""
-    keys = (lora_parameters or {}).get("keys")
-    if not keys:
-        return  # mlx-lm's default keys: the blocks' linear layers
-    from . import outside as out
-
-    outside = sorted(name for name, _ in out.modules(model) if name in keys)
-    p = float((lora_parameters or {}).get("dropout", 0.0) or 0.0)
-    if outside and p > 0:
-        raise ValueError(
-            f"lora_parameters' keys put adapters on {', '.join(outside)}, outside the transformer blocks, with "
-            f"dropout {p:g}: mlx-pager draws mlx-lm's dropout masks for the blocks' adapters only. Set "
-            "lora_parameters' dropout to 0.0, or drop those keys (or train with mlx_lm.lora, which holds every "
-            "weight in memory)"
-        )
-
-
 def check_backend_ops(model) -> None:
     """Refuses, before anything is paged, a model whose layers need an op
     this MLX backend does not run for their dtype: MLX's CPU backend runs

@@ -77,19 +77,32 @@ class KeyedDropout(nn.Module):
         # More calls than planned (plan without `calls`, or the planner's
         # probes, fixed()): keys of its own, the same in the recompute.
         key = keys[j] if j < len(keys) else mx.random.split(keys[-1], j + 1)[j]
-        d = self._draws
-        if d.rows is not None and x.ndim and x.shape[0] % d.part_rows == 0:
-            # The part's rows of the batch's mask; an input whose first axis
-            # holds m entries a row (its rows flattened with the positions,
-            # batch-major) takes m entries a row. (A MoE layer's input sorted
-            # by expert across the rows, mlx-lm's gather_sort, interleaves
-            # the rows: its part's mask is the batch's, not mlx-lm's.)
-            m = x.shape[0] // d.part_rows
-            shape = (d.rows * m, *x.shape[1:])
-            mask = mx.random.bernoulli(self._p_keep, shape, key=key)[d.row0 * m : (d.row0 + d.part_rows) * m]
-        else:
-            mask = mx.random.bernoulli(self._p_keep, x.shape, key=key)
-        return (mask * x) * (1 / self._p_keep)
+        return (mask(self._p_keep, key, x, self._draws) * x) * (1 / self._p_keep)
+
+
+def mask(p_keep: float, key: mx.array, x: mx.array, d: BlockDraws, window: Optional[Tuple[int, int, int]] = None):
+    """The mask `key` draws for x where x is a part of what mlx-lm's
+    dropout sees: the whole batch's mask, of which x's rows (`d`: a part
+    of a batch split to fit) and x's tokens (`window` = (t0, t1, T):
+    tokens t0..t1 of T, the LM head's chunk, outside.py) are taken."""
+    shape, rows, tokens = list(x.shape), slice(None), slice(None)
+    if d.rows is not None and x.ndim and x.shape[0] % d.part_rows == 0:
+        # The part's rows of the batch's mask; an input whose first axis
+        # holds m entries a row (its rows flattened with the positions,
+        # batch-major) takes m entries a row. (A MoE layer's input sorted
+        # by expert across the rows, mlx-lm's gather_sort, interleaves
+        # the rows: its part's mask is the batch's, not mlx-lm's.)
+        m = x.shape[0] // d.part_rows
+        shape[0], rows = d.rows * m, slice(d.row0 * m, (d.row0 + d.part_rows) * m)
+    if window is not None:
+        t0, t1, T = window
+        if x.ndim < 2 or x.shape[1] != t1 - t0:
+            raise RuntimeError(f"a dropout input of shape {tuple(x.shape)} in a chunk of tokens {t0}..{t1}")
+        shape[1], tokens = T, slice(t0, t1)
+    out = mx.random.bernoulli(p_keep, tuple(shape), key=key)
+    if rows != slice(None):
+        out = out[rows]
+    return out if tokens == slice(None) else out[:, tokens]
 
 
 @contextmanager
@@ -168,27 +181,47 @@ def checkpointed_blocks(model: nn.Module, first_trained: int) -> Set[int]:
     return {i for i in range(first_trained, len(layers)) if type(layers[i]) is type(layers[0])}
 
 
+@dataclass
+class Plan:
+    """A step's dropout keys (plan)."""
+
+    blocks: List[List[Optional[BlockDraws]]]  # [i][m]: block i's for micro-batch m, None without dropout
+    # [m]: the adapters outside the blocks' (outside.py), None without
+    # dropout; `forward` holds the keys of one model call, in call order:
+    # those drawn before block 0, then those after the last block.
+    outside: List[Optional[BlockDraws]]
+    draws: int  # the global draws the step makes (advance)
+
+
 def plan(
     model: nn.Module,
     micro_batches: Sequence,
     redrawn: Set[int] = frozenset(),
     calls: Optional[Callable[[object], List[int]]] = None,
-) -> Tuple[List[List[Optional[BlockDraws]]], int]:
-    """(draws[i][m] for block i and micro-batch m, or None where block i has
-    no active dropout; the number of global draws the step makes), in
-    mlx-lm's order from the global key state now (see the module's
-    docstring). Micro-batches are in their batches' order; a batch's parts
-    are consecutive, its first at row0 0. `redrawn`: the blocks mlx-lm's
-    --grad-checkpoint draws again in its backward pass (checkpointed_blocks),
-    empty without it. `calls(mb)`: each block's dropout calls for a batch
-    of micro-batch mb's shapes (step.dropout_calls: a block may call a LoRA
-    layer more than once, mamba's once per position); without it, one per
-    active module. Nothing is drawn from the global sequence here."""
+    outside: Optional[Callable[[object], Tuple[int, int]]] = None,
+) -> Plan:
+    """The keys of every dropout call of the step in mlx-lm's order from the
+    global key state now (see the module's docstring), and the number of
+    global draws the step makes. Micro-batches are in their batches'
+    order; a batch's parts are consecutive, its first at row0 0.
+    `redrawn`: the blocks mlx-lm's --grad-checkpoint draws again in its
+    backward pass (checkpointed_blocks), empty without it. `calls(mb)`:
+    each block's dropout calls for a batch of micro-batch mb's shapes
+    (step.dropout_calls: a block may call a LoRA layer more than once,
+    mamba's once per position); without it, one per active module.
+    `outside(mb)`: the calls of the active dropouts outside the blocks
+    (outside.dropout_calls) before block 0 (an adapted embedding's) and
+    after the last block (the head's): mlx-lm draws the first before the
+    blocks' forward draws and the second after them, before any
+    --grad-checkpoint redraws. Nothing is drawn from the global sequence
+    here."""
     L, M = len(model.layers), len(micro_batches)
     modules = [len(active(layer)) for layer in model.layers]
     table: List[List[Optional[BlockDraws]]] = [[None] * M for _ in range(L)]
-    if not any(modules):
-        return table, 0
+    around = [outside(mb) if outside is not None else (0, 0) for mb in micro_batches]
+    outer: List[Optional[BlockDraws]] = [None] * M
+    if not any(modules) and not any(sum(a) for a in around):
+        return Plan(table, outer, 0)
     state = mx.random.state[0]
     n = 0
 
@@ -207,8 +240,11 @@ def plan(
             batches.append([])
         batches[-1].append(m)
     for parts in batches:
-        counts = calls(micro_batches[parts[0]]) if calls is not None else modules
+        counts = calls(micro_batches[parts[0]]) if calls is not None and any(modules) else modules
+        before, after = around[parts[0]]
+        prefix = take(before)
         forward = [take(c) for c in counts]
+        head = take(after)
         backward = list(forward)
         for i in sorted(redrawn, reverse=True):
             if counts[i]:
@@ -220,7 +256,9 @@ def plan(
             for i in range(L):
                 if modules[i]:
                     table[i][m] = BlockDraws(forward[i], backward[i], rows, mb.row0, part_rows)
-    return table, n
+            if prefix or head:
+                outer[m] = BlockDraws(prefix + head, prefix + head, rows, mb.row0, part_rows)
+    return Plan(table, outer, n)
 
 
 _drawn = [0]  # draws advance() made since reset(): what resume.py keeps

@@ -34,11 +34,20 @@ autodiff of the whole model (h0's uses in block 0 and in the per-layer
 projection: MLX adds the projection's between block 0's ops): within float
 rounding (test_outside.py: 1e-7 relative in float32).
 
-What the step cannot do is refused, by name: an adapter outside the blocks
-with an active dropout (checks.check_adapter_keys, before anything is
-paged, from the run's flags; prefix(), from the modules: mlx-lm draws
-its masks from the global key sequence in the model's order, which the
-paged step reproduces for the blocks' adapters only, dropout.py).
+Their dropout draws mlx-lm's masks. mlx-lm's forward pass draws each from
+MLX's global key sequence, in the model's order: an adapted embedding's
+(and whatever else runs before block 0) before the blocks' draws, the
+head's after them. The paged step calls the model's own ``__call__`` many
+times a step (recording the blocks' calls, the head per token chunk, the
+vjp up to block 0), so while it pages, these dropouts are OutsideDropouts
+(install_dropouts, for a training session; dropouts(), for a step): in a
+step, each model call for micro-batch m draws its masks from the keys
+dropout.plan gives it, in call order (drawing, new_call), taking the rows
+of a part of a split batch and the tokens of a head chunk (window) of the
+whole batch's masks; anywhere else (the planner's probes, the search for
+what the embedding output depends on) from a key of their own, never from
+the global sequence. A tied embedding's one dropout module draws twice a
+call: as the embedding, then as the head (as_linear), as in mlx-lm.
 """
 
 from __future__ import annotations
@@ -46,13 +55,13 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import carry
+from . import carry, dropout
 
 
 def modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -113,20 +122,6 @@ _PREFIX: Dict[int, Tuple[weakref.ref, tuple, Prefix]] = {}
 _NONE = Prefix(False)
 
 
-def _owners(names: List[str]) -> List[str]:
-    return sorted({n.rsplit(".", 1)[0] for n in names})
-
-
-def _active_dropout(model: nn.Module, names: List[str]) -> List[str]:
-    """The modules owning `names` with an active LoRA/DoRA dropout."""
-    modules = dict(model.named_modules())
-    return [
-        o
-        for o in _owners(names)
-        if any(isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in modules[o].named_modules())
-    ]
-
-
 def _call_leaves(calls) -> List[Tuple[int, int, mx.array]]:
     """(block, leaf index, array) of every differentiable leaf of the
     blocks' recorded calls (carry.map_leaves order)."""
@@ -140,26 +135,26 @@ def prefix(model: nn.Module) -> Prefix:
     where they change anything, the step differentiates the blocks down to
     block 0 (step.first_trained_block). Found by a forward-mode derivative of
     the model's own call up to its blocks (two distinct tokens, at random
-    values along random tangents, from a key of its own: the global key
-    sequence is untouched). Raises ValueError, naming them, for adapters the
-    step cannot train as mlx-lm does: those with an active dropout
-    (checks.check_adapter_keys refuses these first, from the run's flags;
-    this is the step's own guard)."""
+    values along random tangents, from a key of its own; their dropouts
+    too: the global key sequence is untouched)."""
     names, params = trainable(model)
     if not names:
         return _NONE
     cached = _PREFIX.get(id(model))
     if cached is not None and cached[0]() is model and cached[1] == tuple(names):
         return cached[2]
+    with dropouts(model), _own_keys(model):  # (their masks from a key of their own)
+        found = _find_prefix(model, names, params)
+    for k in [k for k, v in _PREFIX.items() if v[0]() is None]:
+        del _PREFIX[k]
+    _PREFIX[id(model)] = (weakref.ref(model), tuple(names), found)
+    return found
+
+
+def _find_prefix(model: nn.Module, names: List[str], params: List[mx.array]) -> Prefix:
+    """prefix()'s search."""
     from . import step
 
-    active = _active_dropout(model, names)
-    if active:
-        raise ValueError(
-            f"the adapters on {', '.join(active)} (outside the transformer blocks) have an active dropout: "
-            "mlx-pager draws mlx-lm's dropout masks for the blocks' adapters only. Set lora_parameters' "
-            "dropout to 0.0, or drop those keys"
-        )
     inputs = mx.array([[1, 2]], dtype=mx.int32)
     where: List[Tuple[int, int]] = []
     recorded = []
@@ -210,12 +205,8 @@ def prefix(model: nn.Module) -> Prefix:
     feeds = tuple(w for w, m in zip(where, moved[1:]) if m)
     index = _fed(recorded[0], feeds)[1]
     last = [max(i for (i, _), k in index.items() if k == n) for n in range(len(set(index.values())))]
-    found = Prefix(moved[0], feeds, tuple(last))
     recorded.clear()  # (the tracers of the recording)
-    for k in [k for k, v in _PREFIX.items() if v[0]() is None]:
-        del _PREFIX[k]
-    _PREFIX[id(model)] = (weakref.ref(model), tuple(names), found)
-    return found
+    return Prefix(moved[0], feeds, tuple(last))
 
 
 def trains_prefix(model: nn.Module) -> bool:
@@ -292,3 +283,219 @@ def add(total: Dict[str, mx.array], grads: Dict[str, mx.array]) -> None:
     """Sums `grads` into `total`, by name."""
     for name, g in grads.items():
         total[name] = g if name not in total else total[name] + g
+
+
+# ---- Their dropout (the module's docstring) ----------------------------
+
+
+class _Drawing:
+    """What a model's OutsideDropouts draw from, shared by them."""
+
+    def __init__(self, model: nn.Module, found: List[Tuple[str, nn.Dropout]]):
+        self.model = weakref.ref(model)
+        self.found = found  # (full name, the nn.Dropout stood in for)
+        self.draws: Optional[dropout.BlockDraws] = None  # a step's, for one micro-batch (drawing)
+        self.at = 0  # the next call's index in draws.forward (new_call resets it)
+        self.window: Optional[Tuple[int, int, int]] = None  # a head chunk's tokens (window)
+        self.log: Optional[Tuple[List[int], List[int]]] = None  # counting: (blocks called at each draw, blocks called)
+        self.counts: Dict[tuple, Tuple[int, int]] = {}  # dropout_calls per input shape
+        self.own = mx.random.key(0)  # the key of the masks drawn outside a step
+
+    def mask(self, p_keep: float, x: mx.array) -> Optional[mx.array]:
+        if self.log is not None:
+            self.log[0].append(self.log[1][0])
+            return None
+        d = self.draws
+        if d is None:
+            return mx.random.bernoulli(p_keep, x.shape, key=self.own)
+        j, self.at = self.at, self.at + 1
+        if j >= len(d.forward):
+            raise RuntimeError(
+                f"a model call drew {j + 1} dropout masks outside the blocks, where its counted calls draw "
+                f"{len(d.forward)}"
+            )
+        return dropout.mask(p_keep, d.forward[j], x, d, self.window)
+
+
+class OutsideDropout(nn.Dropout):
+    """Stands in for an active nn.Dropout of an adapter outside the blocks:
+    the same arithmetic, its mask from the model's _Drawing."""
+
+    def __init__(self, p_keep: float, drawing: _Drawing):
+        super().__init__(1 - p_keep)
+        self._drawing = drawing
+
+    def __call__(self, x):
+        if self._p_1 == 1 or not self.training:
+            return x
+        mask = self._drawing.mask(self._p_1, x)
+        return x if mask is None else (mask * x) * (1 / self._p_1)
+
+
+# id(model) -> its _Drawing, while its dropouts are OutsideDropouts
+_DRAWING: Dict[int, _Drawing] = {}
+
+
+def _drawing(model: nn.Module) -> Optional[_Drawing]:
+    d = _DRAWING.get(id(model))
+    return d if d is not None and d.model() is model else None
+
+
+def _put(model: nn.Module, name: str, m: nn.Module) -> None:
+    parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+    dict(model.named_modules())[parent][attr] = m
+
+
+def install_dropouts(model: nn.Module) -> bool:
+    """Makes the dropouts of the adapters outside the blocks that draw
+    masks (p > 0) OutsideDropouts, until restore_dropouts (none: the model
+    is left as it is, and the modules are not looked for again until
+    then). Once for a model: a second call changes nothing (False)."""
+    if _drawing(model) is not None:
+        return False
+    found = [(n, m) for n, m in modules(model) if type(m) is nn.Dropout and m._p_1 < 1]
+    drawing = _Drawing(model, found)
+    for name, m in found:
+        stand_in = OutsideDropout(m._p_1, drawing)
+        stand_in.train(m.training)
+        _put(model, name, stand_in)
+    _DRAWING[id(model)] = drawing
+    return True
+
+
+def restore_dropouts(model: nn.Module) -> None:
+    """Puts back the nn.Dropouts install_dropouts stood in for (their
+    training mode the stand-ins')."""
+    drawing = _drawing(model)
+    if drawing is None:
+        return
+    modules_ = dict(model.named_modules())
+    for name, m in drawing.found:
+        m.train(modules_[name].training)
+        _put(model, name, m)
+    del _DRAWING[id(model)]
+
+
+@contextmanager
+def dropouts(model: nn.Module):
+    """install_dropouts for the duration, where they are not already (a
+    model in evaluation mode draws no masks: left alone)."""
+    installed = model.training and install_dropouts(model)
+    try:
+        yield
+    finally:
+        if installed:
+            restore_dropouts(model)
+
+
+def _training(model: nn.Module) -> Optional[_Drawing]:
+    """The model's _Drawing where an OutsideDropout of it draws masks."""
+    d = _drawing(model)
+    if d is None:
+        return None
+    modules_ = dict(model.named_modules())
+    return d if any(modules_[name].training for name, _ in d.found) else None
+
+
+@contextmanager
+def drawing(model: nn.Module, draws: Optional[dropout.BlockDraws]):
+    """The model calls within draw their masks outside the blocks from
+    `draws` (dropout.Plan.outside's, for one micro-batch; None: as they
+    were)."""
+    d = _drawing(model)
+    if d is None or draws is None:
+        yield
+        return
+    before, d.draws, d.at = d.draws, draws, 0
+    try:
+        yield
+    finally:
+        d.draws, d.at = before, 0
+
+
+@contextmanager
+def _own_keys(model: nn.Module):
+    """The model calls within draw their masks from the key of their own,
+    whatever step they run in."""
+    d = _drawing(model)
+    if d is None:
+        yield
+        return
+    before = d.draws, d.window
+    d.draws, d.window = None, None
+    try:
+        yield
+    finally:
+        d.draws, d.window = before
+
+
+def drawing_now(model: nn.Module) -> bool:
+    """Whether the model calls now draw a step's masks (drawing): then what
+    runs them is not compiled (a compiled graph would freeze the keys)."""
+    d = _drawing(model)
+    return d is not None and d.draws is not None
+
+
+def new_call(model: nn.Module) -> None:
+    """A call of the model's own ``__call__`` starts (step.record_calls,
+    step.head_call): its dropouts outside the blocks take their keys from
+    the first."""
+    d = _drawing(model)
+    if d is not None:
+        d.at = 0
+
+
+@contextmanager
+def window(model: nn.Module, t0: int, t1: int, T: int):
+    """The model calls within run on tokens t0..t1 of T (a head chunk,
+    step.head_chunks): their masks are those tokens of the whole
+    sequence's."""
+    d = _drawing(model)
+    if d is None or (t0, t1) == (0, T):
+        yield
+        return
+    before, d.window = d.window, (t0, t1, T)
+    try:
+        yield
+    finally:
+        d.window = before
+
+
+def dropout_calls(model: nn.Module, inputs: mx.array) -> Tuple[int, int]:
+    """(calls before block 0, calls after the last block) of the dropouts
+    outside the blocks in one call of the model on `inputs`' shape (0, 0
+    without any drawing masks): mlx-lm draws a mask per call. Counted on
+    the model's own call with its blocks passing the hidden state through
+    (nothing drawn or evaluated), once per input shape. Raises ValueError
+    where one is called between blocks, whose mask mlx-lm would draw
+    between the blocks' (not a pattern the step runs)."""
+    from . import step
+
+    d = _training(model)
+    if d is None:
+        return (0, 0)
+    shape = tuple(inputs.shape)
+    if shape not in d.counts:
+        L, n = len(model.layers), step._outputs(model)
+        called, seen = [0], []
+
+        class _Counted(step._Pass):
+            def __call__(self, *args, **kwargs):
+                called[0] += 1
+                return super().__call__(*args, **kwargs)
+
+        d.log = (seen, called)
+        try:
+            with step.stand_ins(model, lambda i, l: _Counted(l, i, n)):
+                model(mx.zeros(shape, dtype=inputs.dtype))
+        finally:
+            d.log = None
+        between = sorted({c for c in seen if 0 < c < L})
+        if between:
+            raise ValueError(
+                f"{step.architecture(model)}: an adapter outside the transformer blocks with dropout is called "
+                f"after block {between[0] - 1}, between blocks: set lora_parameters' dropout to 0.0, or drop "
+                "its key"
+            )
+        d.counts[shape] = (seen.count(0), seen.count(L))
+    return d.counts[shape]

@@ -36,10 +36,12 @@ def _head_loss_in_graph(model, mb: "step.MicroBatch", h: mx.array, chunk_bytes: 
     """default_loss's value from the last hidden state, over the same token
     chunks as step.head_loss (the per-token losses do not depend on the
     chunking; they are summed at once, as default_loss sums them)."""
-    parts = [
-        step._head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
-        for t0, t1 in step.head_chunks(h.shape[1], h.shape[0], step._vocab_size(model), chunk_bytes)
-    ]
+    T, parts = h.shape[1], []
+    for t0, t1 in step.head_chunks(T, h.shape[0], step._vocab_size(model), chunk_bytes):
+        with outside.window(model, t0, t1, T):  # (its dropout's tokens of the masks, outside.py)
+            parts.append(
+                step._head_ce(model, mb.inputs[:, t0:t1], mb.targets[:, t0:t1], mb.mask[:, t0:t1], h[:, t0:t1])
+            )
     return step._concat(parts).astype(mx.float32).sum() / mb.norm
 
 
@@ -139,8 +141,8 @@ class Tail:
     MLX's CPU backend where the memory limit leaves no room for the system
     compiler that backend's mx.compile runs (jit.tail_compile_refused).
 
-    A tail with active dropout runs uncompiled (a compiled graph would
-    freeze its keys), and so does a tail mx.compile cannot trace (dbrx's
+    A tail with active dropout (its blocks', or the head's: outside.py)
+    runs uncompiled (a compiled graph would freeze its keys), and so does a tail mx.compile cannot trace (dbrx's
     router evaluates arrays inside a block): the failure is remembered
     (``uncompiled``)."""
 
@@ -160,7 +162,7 @@ class Tail:
         tail takes those entering it."""
         refs = mb.carries.entering(start) if mb.carries else []
         entering = {r: (extras or {})[r] for r in refs}
-        dropout = any(k is not None for k in keys[start:])
+        dropout = any(k is not None for k in keys[start:]) or outside.drawing_now(self.model)
         if not self.compile or self.uncompiled is not None or dropout:
             return tail_value_and_grad(self.model, start, mb, h, keys, chunk_bytes, stream, entering)
         streamed = stream is not None

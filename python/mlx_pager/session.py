@@ -272,6 +272,7 @@ class Session:
         if self.attention_chunk:
             self.attention_chunk = 0
             attention.restore(self.attention_replaced)
+        out.restore_dropouts(self.model)
 
     @property
     def pool(self) -> int:
@@ -767,6 +768,7 @@ def open_session(args, *rest, **kwargs) -> Session:
         if disable:
             mx.enable_compile()
         attention.restore(attention_before)
+        out.restore_dropouts(rest[0] if rest else kwargs["model"])
         raise
     session.compile_disabled = disable
     return session
@@ -831,6 +833,11 @@ def _open_session(
     weights.pager.set_readahead((args.readahead if args.readahead is not None else 2) * weights.pages_per_block)
     release_heap()
     attach_adapters()
+    if training:
+        # Dropouts of adapters outside the blocks draw mlx-lm's masks in the
+        # steps and masks of their own anywhere else (outside.py), until
+        # Session.close.
+        out.install_dropouts(model)
     # (Evaluation differentiates nothing: adapters outside the blocks that
     # training would refuse, outside.py, evaluate as mlx-lm evaluates them.)
     first = step.first_trained_block(model) if training else len(model.layers)

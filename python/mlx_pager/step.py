@@ -343,7 +343,9 @@ def record_calls(model: nn.Module, inputs: mx.array, per_block_state: bool = Fal
 
     def record(n: int):
         calls, order, outs, raws = [None] * L, [], [None] * L, [None] * L
-        with stand_ins(model, lambda i, l: _Record(l, i, calls, order, outs, raws, outputs=n)):
+        # (dropouts outside the blocks: a step's masks, or of their own; outside.py)
+        with outside.dropouts(model), stand_ins(model, lambda i, l: _Record(l, i, calls, order, outs, raws, outputs=n)):
+            outside.new_call(model)
             model(inputs, **kwargs)  # the logits of this pass are never evaluated
         return calls, _sequence_problem(arch, calls, order, outs), outs, raws
 
@@ -533,12 +535,13 @@ def head_loss_and_grad(
     chunks."""
     names, params = outside.trainable(model)
     ce_parts, grad_parts, out = [], [], {}
-    for t0, t1 in head_chunks(h.shape[1], h.shape[0], _vocab_size(model), chunk_bytes):
+    T = h.shape[1]
+    for t0, t1 in head_chunks(T, h.shape[0], _vocab_size(model), chunk_bytes):
         inputs = mb.inputs[:, t0:t1]
         targets, mask = mb.targets[:, t0:t1], mb.mask[:, t0:t1]
 
-        def chunk_loss(hc, *values, inputs=inputs, targets=targets, mask=mask):
-            with outside.bound(model, names, values):
+        def chunk_loss(hc, *values, inputs=inputs, targets=targets, mask=mask, t0=t0, t1=t1):
+            with outside.bound(model, names, values), outside.window(model, t0, t1, T):
                 ce = _head_ce(model, inputs, targets, mask, hc)
             return ce.astype(mx.float32).sum() / mb.norm, ce
 
@@ -579,7 +582,8 @@ def head_call(model: nn.Module, inputs: mx.array, h: mx.array, **kwargs) -> mx.a
     saved = [(c, _attributes(c)) for c in _cache_objects(kwargs.get("cache"))]
     try:
         n = _outputs(model)
-        with stand_ins(model, lambda i, l: _Emit(l, h, i, n) if i == last else _Pass(l, i, n)):
+        with outside.dropouts(model), stand_ins(model, lambda i, l: _Emit(l, h, i, n) if i == last else _Pass(l, i, n)):
+            outside.new_call(model)
             return model(inputs, **kwargs)
     finally:
         _restore(saved)
@@ -1089,6 +1093,40 @@ def paged_value_and_grad(
       "carried": (bytes, rows, length, count) of the carries the first
                micro-batch kept through the step (carry.py).
     """
+    with outside.dropouts(model):  # (their masks from the step's keys: outside.py)
+        return _paged_value_and_grad(
+            model,
+            weights,
+            micro_batches,
+            head_chunk_bytes,
+            on_block,
+            blocks,
+            tail_start,
+            probe,
+            spill,
+            spilled,
+            hold_tail,
+            start,
+            grad_checkpoint,
+        )
+
+
+def _paged_value_and_grad(
+    model: nn.Module,
+    weights,
+    micro_batches: Sequence[MicroBatch],
+    head_chunk_bytes: int,
+    on_block,
+    blocks: Optional[Blocks],
+    tail_start: Optional[int],
+    probe: Optional[dict],
+    spill,
+    spilled: int,
+    hold_tail: bool,
+    start: Optional[List[mx.array]],
+    grad_checkpoint: bool,
+) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
+    """paged_value_and_grad's body."""
     _resume_gc()  # (a measurement an exception cut short)
     L = len(model.layers)
     first = first_trained_block(model)
@@ -1097,10 +1135,29 @@ def paged_value_and_grad(
     blocks = blocks or Blocks(model)
     for mb in micro_batches:
         mb.record(model)
+    # Active dropout draws from per-(block, micro-batch) keys, mlx-lm's
+    # (dropout.plan), so that the backward pass's recompute sees the masks
+    # it should, and so do those of the adapters outside the blocks
+    # (outside.py); without it (mlx-lm's default) the global PRNG is left
+    # untouched, as mlx-lm does.
+    redrawn = dropout.checkpointed_blocks(model, first) if grad_checkpoint else set()
+    plan = dropout.plan(
+        model,
+        micro_batches,
+        redrawn,
+        lambda mb: dropout_calls(model, mb),
+        lambda mb: outside.dropout_calls(model, mb.inputs),
+    )
+    keys, around = plan.blocks, plan.outside
+    for mb, draws in zip(micro_batches, around):
+        if draws is not None:
+            with outside.drawing(model, draws):
+                mb.record(model)  # h0 with the embedding's mask, where it has one
         if first == 0:
             # What adapters outside the blocks change in the blocks' call
             # arguments besides h: carries made before block 0 (mb.fed).
-            outside.carry_prefix(model, mb)
+            with outside.drawing(model, draws):
+                outside.carry_prefix(model, mb)
     carries = micro_batches[0].carries
     if carries and carries.crosses(s_tail, first):
         s_tail = L  # (the planner never picks such a tail: placement.Step.tail_allowed)
@@ -1111,12 +1168,7 @@ def paged_value_and_grad(
     for mb in micro_batches:
         mb.carried = {}  # the step's now: forget() frees them as it goes
 
-    # Forward, layer-major, up to the tail. Active dropout draws from
-    # per-(block, micro-batch) keys, mlx-lm's (dropout.plan), so that the
-    # backward pass's recompute sees the masks it should; without it
-    # (mlx-lm's default) the global PRNG is left untouched, as mlx-lm does.
-    redrawn = dropout.checkpointed_blocks(model, first) if grad_checkpoint else set()
-    keys, draws = dropout.plan(model, micro_batches, redrawn, lambda mb: dropout_calls(model, mb))
+    # Forward, layer-major, up to the tail.
     if start is not None and len(start) != len(micro_batches):
         raise ValueError(f"{len(start)} prefix outputs for {len(micro_batches)} micro-batches")
     hs = list(start) if start is not None else [mb.h0 for mb in micro_batches]
@@ -1195,9 +1247,10 @@ def paged_value_and_grad(
             for m, (h, mb) in enumerate(zip(hs, micro_batches)):
                 base = _measure_start(probe) if m == 0 else None
                 pages = _page_bytes(weights) if base is not None else None
-                loss, g_h, g_blocks, g_out = blocks.tail.value_and_grad(
-                    s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed, extras[m]
-                )
+                with outside.drawing(model, around[m]):
+                    loss, g_h, g_blocks, g_out = blocks.tail.value_and_grad(
+                        s_tail, mb, h, [keys[i][m] for i in range(L)], head_chunk_bytes, streamed, extras[m]
+                    )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
                 outside.add(tail_grads, g_out)
@@ -1218,8 +1271,9 @@ def paged_value_and_grad(
             for i in range(L - 1, s_tail - 1, -1):
                 on_block("tail", i)
     else:
-        for h, mb in zip(hs, micro_batches):
-            loss, g, g_out = head_loss_and_grad(model, mb, h, head_chunk_bytes)
+        for h, mb, draws in zip(hs, micro_batches, around):
+            with outside.drawing(model, draws):
+                loss, g, g_out = head_loss_and_grad(model, mb, h, head_chunk_bytes)
             outside.add(grads, g_out)
             mx.eval(loss, g, grads)
             losses.append(loss)
@@ -1274,11 +1328,12 @@ def paged_value_and_grad(
         # (outside.py).
         for m, mb in enumerate(micro_batches):
             fed = {r: c for r, c in pending[m].items() if r[0] == carry.PREFIX}
-            outside.add(grads, outside.prefix_grads(model, mb.inputs, cots[m], fed))
+            with outside.drawing(model, around[m]):
+                outside.add(grads, outside.prefix_grads(model, mb.inputs, cots[m], fed))
             mx.eval(grads)
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
-    dropout.advance(draws)
+    dropout.advance(plan.draws)
     return losses, ntoks, grads
 
 

@@ -324,8 +324,6 @@ def _run(args, cb: PagerCallback, result: TrainResult) -> None:
             # (mlx-lm's words, then the fix)
             f" Pass --num-layers {len(model.layers)} or fewer (-1 trains every layer)."
         )
-    if args.train:
-        checks.check_adapter_keys(model, args.lora_parameters)
     session = open_session(
         args,
         model,

@@ -55,7 +55,8 @@ def test_keys_go_to_the_calls_in_the_order_mlx_lm_draws_them():
     after = _state()
     mx.random.seed(3)
     mb = type("MB", (), {"inputs": x[..., 0], "row0": 0, "batch_rows": None})()
-    table, n = D.plan(model, [mb])
+    plan = D.plan(model, [mb])
+    table, n = plan.blocks, plan.draws
     assert n == 6
     for i, blk in enumerate(blocks):
         with D.keyed(blk, table[i][0]) as replaced:
@@ -90,12 +91,13 @@ def test_grad_checkpoint_redraws_from_the_last_block_down():
     after = _state()
     mx.random.seed(4)
     mb = type("MB", (), {"inputs": x[..., 0], "row0": 0, "batch_rows": None})()
-    table, n = D.plan(model, [mb], {0, 1, 2})
+    plan = D.plan(model, [mb], {0, 1, 2})
+    table, n = plan.blocks, plan.draws
     assert n == 12
     D.advance(n)
     assert mx.array_equal(_state(), after).item()
     mx.random.seed(4)
-    keys = [D.plan(model, [mb], set())[0][i][0].forward for i in range(3)]
+    keys = [D.plan(model, [mb], set()).blocks[i][0].forward for i in range(3)]
     for i in range(3):
         assert all(mx.array_equal(k, j).item() for k, j in zip(table[i][0].forward, keys[i]))
         assert not any(mx.array_equal(k, j).item() for k, j in zip(table[i][0].backward, keys[i]))
@@ -164,7 +166,8 @@ def test_a_part_takes_its_rows_of_a_mask_whose_rows_are_flattened_with_positions
     want = blocks[0](x)  # as mlx-lm: the whole batch's mask from the global sequence
     mx.random.seed(9)
     parts = [type("MB", (), {"inputs": x[r : r + 2, :, 0], "row0": r, "batch_rows": 4})() for r in (0, 2)]
-    table, n = D.plan(model, parts)
+    plan = D.plan(model, parts)
+    table, n = plan.blocks, plan.draws
     assert n == 1
     for m, r in enumerate((0, 2)):
         with D.keyed(blocks[0], table[0][m]):

@@ -109,16 +109,20 @@ def test_grad_checkpoint_recomputes_every_trained_block_as_mlx_lm_does(models, t
     assert all(s["acquires"] == L + 2 and s["window"][0] == 1 for s in res.steps)
 
 
-@pytest.mark.parametrize("grad_checkpoint", [False, True])
-def test_lora_dropout_draws_mlx_lm_s_masks(models, train_only_data, tmp_path, grad_checkpoint):
+@pytest.mark.parametrize(
+    "grad_checkpoint, keys",
+    [(False, None), (True, None), (True, ["self_attn.q_proj", "self_attn.v_proj", "lm_head", "model.embed_tokens"])],
+)
+def test_lora_dropout_draws_mlx_lm_s_masks(models, train_only_data, tmp_path, grad_checkpoint, keys):
     """LoRA dropout: each mask is the one mlx-lm draws from MLX's global key
     sequence (dropout.py), though the paged step runs layer-major over an
     accumulation group and recomputes blocks; with --grad-checkpoint, the
-    new masks mlx-lm's checkpointed blocks draw in its backward pass. The
-    adapters are mlx_lm.lora's bit for bit (before, masks of the paged
-    step's own: after 5 steps they differed by up to 1.27 times an
-    adapter's largest value)."""
-    lora = {"rank": 8, "scale": 20.0, "dropout": 0.1}
+    new masks mlx-lm's checkpointed blocks draw in its backward pass; with
+    adapters on the embedding and the head (outside.py), theirs before and
+    after the blocks' forward draws. The adapters are mlx_lm.lora's bit for
+    bit (before, masks of the paged step's own: after 5 steps they differed
+    by up to 1.27 times an adapter's largest value)."""
+    lora = {"rank": 8, "scale": 20.0, "dropout": 0.1, **({"keys": keys} if keys else {})}
     ref, got, res = both(
         models("llama", None),
         train_only_data,
@@ -129,6 +133,8 @@ def test_lora_dropout_draws_mlx_lm_s_masks(models, train_only_data, tmp_path, gr
         grad_checkpoint=grad_checkpoint,
     )
     assert_same_adapters(ref, got)
+    if keys:
+        assert "lm_head.lora_b" in got and "model.embed_tokens.lora_b" in got
     if not grad_checkpoint:  # the no-recompute tail draws them in its one graph
         assert any(s["tail_start"] < 4 for s in res.steps)
 
