@@ -64,11 +64,13 @@ def assert_same_adapters(ref, got):
         assert mx.array_equal(ref[k], got[k]).item(), f"{k}: max diff {mx.abs(ref[k] - got[k]).max()}"
 
 
-@pytest.mark.parametrize("arch, bits", [("llama", None), ("qwen3", 4)])
-def test_twenty_steps_give_mlx_lm_adapters(models, train_only_data, tmp_path, arch, bits):
-    """20 optimizer steps, same seed and data: the adapters are identical
+# (4-bit: 8 steps, not 20; MLX's CPU 4-bit products made the 20 steps 43 s
+# of the suite, and bits that part at one step stay apart)
+@pytest.mark.parametrize("arch, bits, iters", [("llama", None, 20), ("qwen3", 4, 8)])
+def test_many_steps_give_mlx_lm_adapters(models, train_only_data, tmp_path, arch, bits, iters):
+    """Many optimizer steps, same seed and data: the adapters are identical
     bit for bit to those mlx_lm.lora writes (its compiled step included)."""
-    ref, got, res = both(models(arch, bits), train_only_data, tmp_path, iters=20)
+    ref, got, res = both(models(arch, bits), train_only_data, tmp_path, iters=iters)
     assert_same_adapters(ref, got)
     losses = [s["loss"] for s in res.steps]
     assert all(map(lambda x: x == x, losses)) and losses[-1] < losses[0]
