@@ -27,8 +27,12 @@ their adapters; the paged step differentiates them where they are used:
            block 0 (placement.Step.tail_allowed): every block is recomputed.
 
 Each gives every such parameter a gradient (zeros where unused, as MLX's
-autodiff gives them), and the step sums them: with one head chunk and one
-micro-batch, two terms, the bits of mlx-lm's sum in any order. Where the
+autodiff gives them), and the step sums them: with one head chunk, two terms
+a batch, the bits of mlx-lm's sum in any order; over an accumulation group,
+each batch's two first and then the batches' sums in order, as mlx-lm adds
+whole batches' gradients (each batch's head term is kept until the backward
+sweep reaches the embedding: one more copy of these adapters' gradients a
+batch of the group, only where both paths reach them, a tied embedding's). Where the
 call arguments are fed, some cotangents sum in another order than MLX's
 autodiff of the whole model (h0's uses in block 0 and in the per-layer
 projection: MLX adds the projection's between block 0's ops): within float

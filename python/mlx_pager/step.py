@@ -1231,6 +1231,14 @@ def _paged_value_and_grad(
             full = f"{prefixes[i]}.{name}"
             block_grads[full] = g if full not in block_grads else block_grads[full] + g
 
+    # Where the adapters outside the blocks take gradients through the head
+    # and through the embedding output both (outside.py), each micro-batch's
+    # two are summed first and the micro-batches' sums then, in order, as
+    # mlx-lm adds whole batches' gradients in an accumulation group (a tied
+    # embedding's adapter, summed by path first: its last bits differed).
+    heads: Optional[List[Dict[str, mx.array]]] = (
+        [{} for _ in micro_batches] if first == 0 and outside.trains_prefix(model) else None
+    )
     losses, ntoks, cots = [], [], []
     if s_tail < L:
         # The tail: blocks s..L-1 and the head in one graph per micro-batch,
@@ -1253,10 +1261,10 @@ def _paged_value_and_grad(
                     )
                 for i, g_p in g_blocks.items():
                     add(tail_grads, i, g_p)
-                outside.add(tail_grads, g_out)
+                outside.add(tail_grads if heads is None else heads[m], g_out)
                 if base is not None:
                     base.built()
-                mx.eval(loss, tail_grads, [] if g_h is None else g_h)
+                mx.eval(loss, tail_grads, [] if g_h is None else g_h, heads or [])
                 if base is not None:
                     # The pages the tail read and kept are pages, not its
                     # working set (the plan counts them apart); so is the
@@ -1271,11 +1279,11 @@ def _paged_value_and_grad(
             for i in range(L - 1, s_tail - 1, -1):
                 on_block("tail", i)
     else:
-        for h, mb, draws in zip(hs, micro_batches, around):
+        for m, (h, mb, draws) in enumerate(zip(hs, micro_batches, around)):
             with outside.drawing(model, draws):
                 loss, g, g_out = head_loss_and_grad(model, mb, h, head_chunk_bytes)
-            outside.add(grads, g_out)
-            mx.eval(loss, g, grads)
+            outside.add(grads if heads is None else heads[m], g_out)
+            mx.eval(loss, g, grads, heads or [])
             losses.append(loss)
             ntoks.append(mb.ntoks)
             cots.append(g)
@@ -1322,14 +1330,16 @@ def _paged_value_and_grad(
             carry.forget(carries, extras, down_to=i)  # their consumers' backward is done
         if on_block is not None:
             on_block("backward", i)
-    if first == 0 and outside.trains_prefix(model):
+    if heads is not None:
         # dL/dh0, and the cotangents of the call arguments they made
         # (carry.PREFIX's), to the adapters that make the embedding output
         # (outside.py).
         for m, mb in enumerate(micro_batches):
             fed = {r: c for r, c in pending[m].items() if r[0] == carry.PREFIX}
             with outside.drawing(model, around[m]):
-                outside.add(grads, outside.prefix_grads(model, mb.inputs, cots[m], fed))
+                outside.add(heads[m], outside.prefix_grads(model, mb.inputs, cots[m], fed))
+            outside.add(grads, heads[m])
+            heads[m] = {}
             mx.eval(grads)
     if probe is not None:
         probe["peak"] = max(probe.get("peak", 0), mx.get_peak_memory())
