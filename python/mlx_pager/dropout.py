@@ -80,13 +80,23 @@ class KeyedDropout(nn.Module):
         return (mask(self._p_keep, key, x, self._draws) * x) * (1 / self._p_keep)
 
 
-def mask(p_keep: float, key: mx.array, x: mx.array, d: BlockDraws, window: Optional[Tuple[int, int, int]] = None):
+def mask(
+    p_keep: float,
+    key: mx.array,
+    x: mx.array,
+    d: Optional[BlockDraws],
+    window: Optional[Tuple[int, int, int]] = None,
+    cache: Optional[dict] = None,
+):
     """The mask `key` draws for x where x is a part of what mlx-lm's
     dropout sees: the whole batch's mask, of which x's rows (`d`: a part
-    of a batch split to fit) and x's tokens (`window` = (t0, t1, T):
-    tokens t0..t1 of T, the LM head's chunk, outside.py) are taken."""
+    of a batch split to fit; None: x's own) and x's tokens (`window` =
+    (t0, t1, T): tokens t0..t1 of T, the LM head's chunk, outside.py) are
+    taken. `cache` ({}): the whole masks drawn, by key and shape, so that
+    a head's chunks take theirs from one draw, one buffer their slices
+    share (drawn per chunk, a tail's graph held a whole mask a chunk)."""
     shape, rows, tokens = list(x.shape), slice(None), slice(None)
-    if d.rows is not None and x.ndim and x.shape[0] % d.part_rows == 0:
+    if d is not None and d.rows is not None and x.ndim and x.shape[0] % d.part_rows == 0:
         # The part's rows of the batch's mask; an input whose first axis
         # holds m entries a row (its rows flattened with the positions,
         # batch-major) takes m entries a row. (A MoE layer's input sorted
@@ -99,7 +109,12 @@ def mask(p_keep: float, key: mx.array, x: mx.array, d: BlockDraws, window: Optio
         if x.ndim < 2 or x.shape[1] != t1 - t0:
             raise RuntimeError(f"a dropout input of shape {tuple(x.shape)} in a chunk of tokens {t0}..{t1}")
         shape[1], tokens = T, slice(t0, t1)
-    out = mx.random.bernoulli(p_keep, tuple(shape), key=key)
+    found = None if cache is None else cache.get((id(key), tuple(shape)))
+    if found is None:
+        found = (key, mx.random.bernoulli(p_keep, tuple(shape), key=key))  # (the key kept: its id stays its own)
+        if cache is not None:
+            cache[(id(key), tuple(shape))] = found
+    out = found[1]
     if rows != slice(None):
         out = out[rows]
     return out if tokens == slice(None) else out[:, tokens]
@@ -182,6 +197,16 @@ def checkpointed_blocks(model: nn.Module, first_trained: int) -> Set[int]:
 
 
 @dataclass
+class OutsideDraws(BlockDraws):
+    """The keys of one model call's dropouts outside the blocks (outside.py)
+    for one micro-batch, in call order: `before` drawn before block 0, then
+    `after` after the last block."""
+
+    before: int = 0
+    after: int = 0
+
+
+@dataclass
 class Plan:
     """A step's dropout keys (plan)."""
 
@@ -189,7 +214,7 @@ class Plan:
     # [m]: the adapters outside the blocks' (outside.py), None without
     # dropout; `forward` holds the keys of one model call, in call order:
     # those drawn before block 0, then those after the last block.
-    outside: List[Optional[BlockDraws]]
+    outside: List[Optional[OutsideDraws]]
     draws: int  # the global draws the step makes (advance)
 
 
@@ -219,7 +244,7 @@ def plan(
     modules = [len(active(layer)) for layer in model.layers]
     table: List[List[Optional[BlockDraws]]] = [[None] * M for _ in range(L)]
     around = [outside(mb) if outside is not None else (0, 0) for mb in micro_batches]
-    outer: List[Optional[BlockDraws]] = [None] * M
+    outer: List[Optional[OutsideDraws]] = [None] * M
     if not any(modules) and not any(sum(a) for a in around):
         return Plan(table, outer, 0)
     state = mx.random.state[0]
@@ -257,7 +282,8 @@ def plan(
                 if modules[i]:
                     table[i][m] = BlockDraws(forward[i], backward[i], rows, mb.row0, part_rows)
             if prefix or head:
-                outer[m] = BlockDraws(prefix + head, prefix + head, rows, mb.row0, part_rows)
+                keys = prefix + head
+                outer[m] = OutsideDraws(keys, keys, rows, mb.row0, part_rows, len(prefix), len(head))
     return Plan(table, outer, n)
 
 

@@ -298,12 +298,15 @@ class _Drawing:
     def __init__(self, model: nn.Module, found: List[Tuple[str, nn.Dropout]]):
         self.model = weakref.ref(model)
         self.found = found  # (full name, the nn.Dropout stood in for)
-        self.draws: Optional[dropout.BlockDraws] = None  # a step's, for one micro-batch (drawing)
+        self.draws: Optional[dropout.OutsideDraws] = None  # a step's, for one micro-batch (drawing)
         self.at = 0  # the next call's index in draws.forward (new_call resets it)
         self.window: Optional[Tuple[int, int, int]] = None  # a head chunk's tokens (window)
         self.log: Optional[Tuple[List[int], List[int]]] = None  # counting: (blocks called at each draw, blocks called)
         self.counts: Dict[tuple, Tuple[int, int]] = {}  # dropout_calls per input shape
         self.own = mx.random.key(0)  # the key of the masks drawn outside a step
+        # The whole masks the current model call (and a head's later chunks)
+        # took theirs of (dropout.mask's cache; new_call, drawing)
+        self.masks: dict = {}
 
     def mask(self, p_keep: float, x: mx.array) -> Optional[mx.array]:
         if self.log is not None:
@@ -311,14 +314,16 @@ class _Drawing:
             return None
         d = self.draws
         if d is None:
-            return mx.random.bernoulli(p_keep, x.shape, key=self.own)
+            # (of a head chunk's, the whole sequence's, as the step's: the
+            # planner's probes measure what the step holds)
+            return dropout.mask(p_keep, self.own, x, None, self.window, self.masks)
         j, self.at = self.at, self.at + 1
         if j >= len(d.forward):
             raise RuntimeError(
                 f"a model call drew {j + 1} dropout masks outside the blocks, where its counted calls draw "
                 f"{len(d.forward)}"
             )
-        return dropout.mask(p_keep, d.forward[j], x, d, self.window)
+        return dropout.mask(p_keep, d.forward[j], x, d, self.window, self.masks)
 
 
 class OutsideDropout(nn.Dropout):
@@ -327,6 +332,7 @@ class OutsideDropout(nn.Dropout):
 
     def __init__(self, p_keep: float, drawing: _Drawing):
         super().__init__(1 - p_keep)
+        self._p_1 = p_keep  # (exactly: 1 - (1 - p) need not be p)
         self._drawing = drawing
 
     def __call__(self, x):
@@ -402,7 +408,7 @@ def _training(model: nn.Module) -> Optional[_Drawing]:
 
 
 @contextmanager
-def drawing(model: nn.Module, draws: Optional[dropout.BlockDraws]):
+def drawing(model: nn.Module, draws: Optional[dropout.OutsideDraws]):
     """The model calls within draw their masks outside the blocks from
     `draws` (dropout.Plan.outside's, for one micro-batch; None: as they
     were)."""
@@ -410,11 +416,13 @@ def drawing(model: nn.Module, draws: Optional[dropout.BlockDraws]):
     if d is None or draws is None:
         yield
         return
-    before, d.draws, d.at = d.draws, draws, 0
+    before = d.draws, d.at
+    d.draws, d.at = draws, 0
+    d.masks.clear()
     try:
         yield
     finally:
-        d.draws, d.at = before, 0
+        (d.draws, d.at), d.masks = before, {}
 
 
 @contextmanager
@@ -434,10 +442,11 @@ def _own_keys(model: nn.Module):
 
 
 def drawing_now(model: nn.Module) -> bool:
-    """Whether the model calls now draw a step's masks (drawing): then what
-    runs them is not compiled (a compiled graph would freeze the keys)."""
+    """Whether the model calls now draw a step's masks after its blocks
+    (drawing: the head's): then what runs the head is not compiled (a
+    compiled graph would freeze the keys)."""
     d = _drawing(model)
-    return d is not None and d.draws is not None
+    return d is not None and d.draws is not None and d.draws.after > 0
 
 
 def new_call(model: nn.Module) -> None:
@@ -447,6 +456,8 @@ def new_call(model: nn.Module) -> None:
     d = _drawing(model)
     if d is not None:
         d.at = 0
+        if d.window is None or d.window[0] == 0:
+            d.masks.clear()  # (a new sequence of head chunks, or no chunks: no mask of before is taken again)
 
 
 @contextmanager

@@ -259,7 +259,14 @@ class Session:
 
     def close(self):
         """The run is over: the spill file goes, and MLX's cache (which the
-        plan let grow into the budget's unused room) is emptied."""
+        plan let grow into the budget's unused room) is emptied; the model's
+        dropouts outside the blocks are its own again (outside.py)."""
+        try:
+            self._close()
+        finally:
+            out.restore_dropouts(self.model)
+
+    def _close(self):
         if self.spill is not None:
             self.spill.close()
             self.spill = None
@@ -272,7 +279,6 @@ class Session:
         if self.attention_chunk:
             self.attention_chunk = 0
             attention.restore(self.attention_replaced)
-        out.restore_dropouts(self.model)
 
     @property
     def pool(self) -> int:
@@ -838,8 +844,8 @@ def _open_session(
         # steps and masks of their own anywhere else (outside.py), until
         # Session.close.
         out.install_dropouts(model)
-    # (Evaluation differentiates nothing: adapters outside the blocks that
-    # training would refuse, outside.py, evaluate as mlx-lm evaluates them.)
+    # (Evaluation differentiates nothing: the adapters outside the blocks
+    # evaluate as mlx-lm evaluates them, outside.py.)
     first = step.first_trained_block(model) if training else len(model.layers)
 
     floating = [

@@ -1150,9 +1150,9 @@ def _paged_value_and_grad(
     )
     keys, around = plan.blocks, plan.outside
     for mb, draws in zip(micro_batches, around):
-        if draws is not None:
+        if draws is not None and draws.before:
             with outside.drawing(model, draws):
-                mb.record(model)  # h0 with the embedding's mask, where it has one
+                mb.record(model)  # h0 with the embedding's masks
         if first == 0:
             # What adapters outside the blocks change in the blocks' call
             # arguments besides h: carries made before block 0 (mb.fed).

@@ -231,3 +231,18 @@ def test_a_block_calling_a_lora_layer_per_position_draws_mlx_lm_s_masks(tmp_path
             assert losses[0].item() == loss.item(), (T, tail_start)
             assert not A.bitwise_mismatches(dict(tree_flatten(grads)), got)
             assert mx.array_equal(_state(), after).item()
+
+
+def test_a_head_s_chunks_take_their_tokens_of_one_whole_mask():
+    """dropout.mask for chunks of tokens (the LM head's, outside.py): each
+    chunk's mask is its tokens of the whole sequence's, drawn once for all
+    chunks (the cache), and a part of a split batch takes its rows too."""
+    key = mx.random.key(1)
+    whole = mx.random.bernoulli(0.5, (4, 6, 5), key=key)
+    cache = {}
+    d = D.BlockDraws([key], [key], rows=4, row0=2, part_rows=2)
+    x = mx.zeros((2, 3, 5))
+    parts = [D.mask(0.5, key, x, d, (t, t + 3, 6), cache) for t in (0, 3)]
+    assert len(cache) == 1
+    assert mx.array_equal(mx.concatenate(parts, axis=1), whole[2:4]).item()
+    assert mx.array_equal(D.mask(0.5, key, mx.zeros((4, 6, 5)), None), whole).item()  # (no window, no rows)
