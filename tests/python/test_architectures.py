@@ -52,7 +52,7 @@ def test_trained_adapters_in_recomputed_compiled_blocks_are_bitwise(arch_root, m
     block recomputed and compiled (float32): mlx-lm's loss and gradients bit
     for bit. (A sweep of every float32 architecture found six, those with
     the tanh GELU, a few entries apart: docs/design.md, "The step is
-    compiled".)"""
+    compiled"; in bf16 and 4-bit, none.)"""
     from mlx.utils import tree_unflatten
     from mlx_lm.tuner.trainer import default_loss
 
