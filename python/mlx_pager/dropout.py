@@ -120,23 +120,25 @@ def mask(
     return out if tokens == slice(None) else out[:, tokens]
 
 
+def put(modules: dict, name: str, m: nn.Module) -> None:
+    """Sets the module called `name` (a full name, as named_modules gives
+    it) to `m`; `modules`: dict(root.named_modules())."""
+    parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
+    modules[parent][attr] = m
+
+
 @contextmanager
 def _replaced(layer: nn.Module, found, stand_in):
     """Within the block, each of the `found` (name, nn.Dropout) pairs
     replaced by stand_in(module); put back afterwards."""
     modules = dict(layer.named_modules())
-
-    def put(name, m):
-        parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-        modules[parent][attr] = m
-
     try:
         for name, m in found:
-            put(name, stand_in(m))
+            put(modules, name, stand_in(m))
         yield
     finally:
         for name, m in found:
-            put(name, m)
+            put(modules, name, m)
 
 
 @contextmanager

@@ -56,6 +56,7 @@ call: as the embedding, then as the head (as_linear), as in mlx-lm.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -298,6 +299,7 @@ class _Drawing:
     def __init__(self, model: nn.Module, found: List[Tuple[str, nn.Dropout]]):
         self.model = weakref.ref(model)
         self.found = found  # (full name, the nn.Dropout stood in for)
+        self.stand_ins: List["OutsideDropout"] = []  # theirs, in the same order (install_dropouts)
         self.draws: Optional[dropout.OutsideDraws] = None  # a step's, for one micro-batch (drawing)
         self.at = 0  # the next call's index in draws.forward (new_call resets it)
         self.window: Optional[Tuple[int, int, int]] = None  # a head chunk's tokens (window)
@@ -351,11 +353,6 @@ def _drawing(model: nn.Module) -> Optional[_Drawing]:
     return d if d is not None and d.model() is model else None
 
 
-def _put(model: nn.Module, name: str, m: nn.Module) -> None:
-    parent, attr = name.rsplit(".", 1) if "." in name else ("", name)
-    dict(model.named_modules())[parent][attr] = m
-
-
 def install_dropouts(model: nn.Module) -> bool:
     """Makes the dropouts of the adapters outside the blocks that draw
     masks (p > 0) OutsideDropouts, until restore_dropouts (none: the model
@@ -365,10 +362,12 @@ def install_dropouts(model: nn.Module) -> bool:
         return False
     found = [(n, m) for n, m in modules(model) if type(m) is nn.Dropout and m._p_1 < 1]
     drawing = _Drawing(model, found)
+    modules_ = dict(model.named_modules())
     for name, m in found:
         stand_in = OutsideDropout(m._p_1, drawing)
         stand_in.train(m.training)
-        _put(model, name, stand_in)
+        drawing.stand_ins.append(stand_in)
+        dropout.put(modules_, name, stand_in)
     _DRAWING[id(model)] = drawing
     return True
 
@@ -380,9 +379,9 @@ def restore_dropouts(model: nn.Module) -> None:
     if drawing is None:
         return
     modules_ = dict(model.named_modules())
-    for name, m in drawing.found:
-        m.train(modules_[name].training)
-        _put(model, name, m)
+    for (name, m), stand_in in zip(drawing.found, drawing.stand_ins):
+        m.train(stand_in.training)
+        dropout.put(modules_, name, m)
     del _DRAWING[id(model)]
 
 
@@ -398,13 +397,21 @@ def dropouts(model: nn.Module):
             restore_dropouts(model)
 
 
+def with_dropouts(fn):
+    """fn(model, ...) run within dropouts(model)."""
+
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with dropouts(model):
+            return fn(model, *args, **kwargs)
+
+    return run
+
+
 def _training(model: nn.Module) -> Optional[_Drawing]:
     """The model's _Drawing where an OutsideDropout of it draws masks."""
     d = _drawing(model)
-    if d is None:
-        return None
-    modules_ = dict(model.named_modules())
-    return d if any(modules_[name].training for name, _ in d.found) else None
+    return d if d is not None and any(s.training for s in d.stand_ins) else None
 
 
 @contextmanager

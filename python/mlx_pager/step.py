@@ -1039,6 +1039,7 @@ def step_pages(
     return ids
 
 
+@outside.with_dropouts  # (their masks from the step's keys: outside.py)
 def paged_value_and_grad(
     model: nn.Module,
     weights,
@@ -1093,40 +1094,6 @@ def paged_value_and_grad(
       "carried": (bytes, rows, length, count) of the carries the first
                micro-batch kept through the step (carry.py).
     """
-    with outside.dropouts(model):  # (their masks from the step's keys: outside.py)
-        return _paged_value_and_grad(
-            model,
-            weights,
-            micro_batches,
-            head_chunk_bytes,
-            on_block,
-            blocks,
-            tail_start,
-            probe,
-            spill,
-            spilled,
-            hold_tail,
-            start,
-            grad_checkpoint,
-        )
-
-
-def _paged_value_and_grad(
-    model: nn.Module,
-    weights,
-    micro_batches: Sequence[MicroBatch],
-    head_chunk_bytes: int,
-    on_block,
-    blocks: Optional[Blocks],
-    tail_start: Optional[int],
-    probe: Optional[dict],
-    spill,
-    spilled: int,
-    hold_tail: bool,
-    start: Optional[List[mx.array]],
-    grad_checkpoint: bool,
-) -> Tuple[List[mx.array], List[mx.array], Dict[str, mx.array]]:
-    """paged_value_and_grad's body."""
     _resume_gc()  # (a measurement an exception cut short)
     L = len(model.layers)
     first = first_trained_block(model)
